@@ -1,0 +1,5 @@
+"""A distributed trainer for Llama- and Mixtral-style models built around one DeviceMesh."""
+
+from trainer.models import build_model
+
+__all__ = ["build_model"]

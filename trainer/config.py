@@ -1,0 +1,184 @@
+"""The configuration schema (SPEC §4) and its registration with Hydra.
+
+The dataclasses are registered in Hydra's ConfigStore as the base of the primary config, so a
+misspelt key or a value of the wrong type fails at composition time, naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+RECIPE_DIR = REPO_ROOT / "recipes"
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llama"
+    name: str = "llama_debug"
+    dim: int = 256
+    n_layers: int = 8
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    vocab_size: int = 2048
+    ffn_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    # Mixture of experts (Mixtral); zero experts means a dense model.
+    n_experts: int = 0
+    top_k: int = 0
+    aux_loss_coef: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: Optional[int] = None
+    cp_method: str = "ring"
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+
+@dataclass
+class MixedPrecisionConfig:
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    param_dtype: str = "auto"
+    reduce_dtype: str = "float32"
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 1000
+    seq_len: int = 2048
+    global_batch_size: int = 8
+    grad_accum_steps: int = 1
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    max_norm: float = 1.0
+    seed: int = 0
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    compile: bool = False
+    activation_checkpoint: str = "none"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # The cosine schedule decays to lr * min_lr_ratio at the last step.
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"
+    path: Optional[str] = None
+    tokenizer: str = "bytes"
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "trainer"
+    # "offline" writes under output_dir and needs no network; "online" uploads.
+    mode: str = "offline"
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 10
+    # null: unknown (mfu is null on CPU); a number in TFLOP/s per device; "auto": time a matmul.
+    peak_tflops: Optional[Any] = None
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class ValidationConfig:
+    every: int = 0
+    steps: int = 4
+
+
+@dataclass
+class JobConfig:
+    device: str = "auto"
+    run_name: str = "${recipe_name:}"
+    output_dir: str = "outputs/${run_name}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+def register_configs() -> None:
+    """Registers the schema and the recipes with Hydra.
+
+    Recipes live in the top-level `recipes/` folder (SPEC §1) but are selected as the group
+    `recipe` (`+recipe=NAME`), so each file is stored in the ConfigStore under that group.
+    """
+    if not OmegaConf.has_resolver("recipe_name"):
+        OmegaConf.register_new_resolver("recipe_name", _recipe_name)
+    cs = ConfigStore.instance()
+    cs.store(name="job_schema", node=JobConfig)
+    for path in sorted(RECIPE_DIR.glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Names an unknown `group=NAME` choice in one line, before Hydra composes anything."""
+    from trainer.errors import ConfigError
+
+    for arg in argv:
+        key, sep, name = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS:
+            continue
+        folder = RECIPE_DIR if key == "recipe" else CONFIG_DIR / key
+        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        if name not in known:
+            raise ConfigError(f"{key}={name} is not a known {key}; choose one of {known}")
+
+
+def _recipe_name() -> str:
+    """The recipe chosen with +recipe=NAME, the default run name; "default" without one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return "default"
+    return HydraConfig.get().runtime.choices.get("recipe") or "default"
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """The model config named `name` (a file in configs/model/), checked against the schema."""
+    path = CONFIG_DIR / "model" / f"{name}.yaml"
+    if not path.exists():
+        from trainer.errors import ConfigError
+
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"model={name} is not a known model; choose one of {known}")
+    node = OmegaConf.load(path)
+    node.pop("defaults", None)
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), node)
+    return OmegaConf.to_object(merged)

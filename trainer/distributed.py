@@ -1,0 +1,48 @@
+"""Process-group set-up: torchrun's environment, or a world of one when run without it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import ConfigError
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device(setting: str) -> torch.device:
+    """`auto`: the GPU of this local rank when one is visible, else the CPU."""
+    if setting not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={setting} is unknown; choose auto, cpu or cuda")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no GPU is visible; use device=cpu or device=auto")
+    if setting == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
+    """Joins the job's process group (NCCL on GPUs, gloo on CPU)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

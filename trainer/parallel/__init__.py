@@ -1,0 +1,26 @@
+"""Applies the parallelisms to a model, in the fixed order of STYLE.md:
+tensor/sequence parallel, activation checkpointing, compile, then FSDP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.fsdp import apply_fsdp
+
+
+def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                      activation_checkpoint: str, compile: bool) -> None:
+    blocks = list(model.layers.values())
+    if activation_checkpoint == "full":
+        apply_activation_checkpoint(blocks)
+    if compile:
+        for block in blocks:
+            block.compile()
+    # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.
+    apply_fsdp(model, blocks, dims.fsdp_mesh, param_dtype, reduce_dtype)
+
+
+PARALLELIZE = {"llama": parallelize_llama}

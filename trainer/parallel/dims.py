@@ -1,0 +1,159 @@
+"""The parallel layout: degrees, their rules, and the one DeviceMesh every parallelism slices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.errors import ConfigError
+
+# Outermost first: tp is innermost so its ranks are neighbours (inside one node).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+# Flattened views: name -> the mesh dimensions it joins.
+FLAT_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),  # data loading: each dp rank reads its own batch slice
+    "dp_shard_cp": ("dp_shard", "cp"),  # FSDP shards over cp ranks too
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss and metric averaging
+}
+
+
+def _flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    # DeviceMesh has no public way to join dimensions into one named view in torch 2.13;
+    # `_flatten` is what torchtitan and torch's own tests use. Kept here so one line changes if it moves.
+    return mesh._flatten(name)
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    _views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_config(cls, parallel, model, training, world_size: int) -> ParallelDims:
+        """Resolves `-1` degrees and checks every rule of SPEC §7 that involves a degree.
+
+        The rules against the model shape come first: they name the key the user most likely got wrong.
+        """
+        degrees = {k: getattr(parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+        for key, value in degrees.items():
+            if value == 0 or value < -1 or (value == -1 and key not in ("dp_shard", "ep")):
+                rule = "must be >= 1 or -1 (the rest)" if key in ("dp_shard", "ep") else "must be >= 1"
+                raise ConfigError(f"parallel.{key}={value} {rule}")
+        _check_model_rules(degrees, parallel, model, training)
+
+        others = degrees["dp_replicate"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
+        if degrees["dp_shard"] == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"parallel.dp_shard=-1 needs the world size {world_size} to be divisible by "
+                    f"pp*dp_replicate*cp*tp={others}"
+                )
+            degrees["dp_shard"] = world_size // others
+        product = others * degrees["dp_shard"]
+        if product != world_size:
+            raise ConfigError(
+                f"parallel: pp*dp_replicate*dp_shard*cp*tp={product} must equal the world size {world_size} "
+                f"(pp={degrees['pp']}, dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']}, "
+                f"cp={degrees['cp']}, tp={degrees['tp']})"
+            )
+        if degrees["ep"] == -1:
+            degrees["ep"] = degrees["dp_shard"] * degrees["cp"]
+        if degrees["ep"] > 1:
+            raise ConfigError(f"parallel.ep={degrees['ep']} is not supported yet: expert parallelism comes with MoE")
+
+        dims = cls(world_size=world_size, **degrees)
+        per_step = dims.dp * training.grad_accum_steps
+        if training.global_batch_size % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={training.global_batch_size} must be divisible by "
+                f"dp*grad_accum_steps={per_step} (dp={dims.dp}, grad_accum_steps={training.grad_accum_steps})"
+            )
+        return dims
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh(device_type) before using the mesh")
+        return self._mesh
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        # Size-1 dimensions stay in the mesh so every view exists whatever the layout.
+        self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        # torch wants flattened views kept by whoever made them, not sliced again from the root.
+        self._views = {name: _flatten(self._mesh[dims], name) for name, dims in FLAT_VIEWS.items()}
+        return self._mesh
+
+    def view(self, name: str) -> DeviceMesh:
+        """A 1-D submesh: one of MESH_DIMS or one of the flattened FLAT_VIEWS."""
+        return self._views[name] if name in self._views else self.mesh[name]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: 1-D over dp_shard x cp, or 2-D (replicate, shard) for HSDP."""
+        if not self.dp_replicate_enabled:
+            return self.view("dp_shard_cp")
+        if self.cp_enabled:
+            raise NotImplementedError("HSDP with context parallel needs a (dp_replicate, dp_shard_cp) mesh")
+        return self.mesh["dp_replicate", "dp_shard"]
+
+
+def _check_model_rules(degrees: dict, parallel, model, training) -> None:
+    tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
+    for key in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(model, key) % tp:
+            raise ConfigError(f"parallel.tp={tp} must divide model.{key}={getattr(model, key)}")
+    if pp > model.n_layers:
+        raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
+    if parallel.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} is unknown; choose one of {list(PP_SCHEDULES)}")
+    if training.seq_len % cp:
+        raise ConfigError(f"parallel.cp={cp} must divide training.seq_len={training.seq_len}")
+    if training.seq_len > model.max_seq_len:
+        raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len}")
+    if training.grad_accum_steps < 1:
+        raise ConfigError(f"training.grad_accum_steps={training.grad_accum_steps} must be >= 1")
+    # Honest refusals until each parallelism lands (tracked as issues 3-6).
+    for key, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if value > 1:
+            raise ConfigError(f"parallel.{key}={value} is not supported yet by this version of the trainer")

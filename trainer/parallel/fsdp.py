@@ -1,0 +1,19 @@
+"""FSDP2 (fully_shard) and HSDP: each transformer block one unit, the root (embedding, norm,
+output) another."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype) -> None:
+    """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)

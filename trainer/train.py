@@ -1,0 +1,159 @@
+"""The training job: check the config, set up the mesh and model, run the step loop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import JobConfig
+from trainer.data import BatchLoader, ByteTokenizer, build_dataset
+from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
+from trainer.errors import ConfigError
+from trainer.metrics import MetricsLogger, flops_per_token, peak_memory_gib, peak_tflops
+from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
+from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from trainer.parallel import PARALLELIZE
+from trainer.parallel.dims import ParallelDims
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_job(job: JobConfig, world: int) -> ParallelDims:
+    """Every rule a user can break, checked before any rank joins the process group."""
+    if job.model.family not in MODEL_CLASSES:
+        raise ConfigError(f"model.family={job.model.family} is unknown; choose one of {sorted(MODEL_CLASSES)}")
+    dims = ParallelDims.from_config(job.parallel, job.model, job.training, world)
+    t = job.training
+    for key in ("steps", "seq_len", "global_batch_size"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 1")
+    if t.activation_checkpoint not in ("none", "full"):
+        raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be none or full in this version")
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(t.mixed_precision, key)
+        if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
+            raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
+    if job.model.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {ByteTokenizer.vocab_size}")
+    if job.metrics.log_every < 1:
+        raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
+    peak = job.metrics.peak_tflops
+    if not (peak is None or peak == "auto" or (isinstance(peak, (int, float)) and peak > 0)):
+        raise ConfigError(f"metrics.peak_tflops={peak} must be null, a positive number or auto")
+    return dims
+
+
+def run(cfg: DictConfig) -> None:
+    """Runs the job `cfg` (the composed Hydra config) on this rank."""
+    job: JobConfig = OmegaConf.to_object(cfg)
+    device = resolve_device(job.device)
+    dims = check_job(job, world_size())
+    dataset = build_dataset(job.data, job.training.seq_len, job.training.seed)
+    val_dataset = build_dataset(job.data, job.training.seq_len, job.training.seed, split="val")
+    init_distributed(device)
+    try:
+        train(job, OmegaConf.to_container(cfg, resolve=True), dims, device, dataset, val_dataset)
+    finally:
+        shutdown()
+
+
+def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device, dataset, val_dataset) -> None:
+    t = job.training
+    dims.build_mesh(device.type)
+    rank = dist.get_rank()
+    output_dir = Path(job.output_dir)
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    # Built on meta, sharded, then allocated and initialised shard by shard.
+    model = build_model(job.model, device="meta")
+    param_dtype = t.mixed_precision.param_dtype
+    if param_dtype == "auto":
+        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    PARALLELIZE[job.model.family](
+        model, dims, param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
+        activation_checkpoint=t.activation_checkpoint, compile=t.compile,
+    )
+    materialize(model, device)
+    init_weights(model, t.seed)
+
+    optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
+    scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
+    dp_rank = dims.view("dp").get_local_rank()
+    loader = BatchLoader(dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
+    val_loader = BatchLoader(val_dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
+    loss_group = dims.view("dp_cp").get_group()
+
+    logger = MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config)
+    peak = peak_tflops(device, job.metrics.peak_tflops)
+    flops = flops_per_token(job.model, t.seq_len)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    start = last_time = time.perf_counter()
+    last_step = 0
+    for step in range(1, t.steps + 1):
+        loss = train_step(model, loader.microbatches(step - 1), device)
+        grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+
+        validate = job.validation.every > 0 and step % job.validation.every == 0
+        if step % job.metrics.log_every == 0 or step == t.steps or validate:
+            loss = _mean(loss, loss_group)
+            now = time.perf_counter()
+            tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
+            record = {
+                "step": step,
+                "loss": loss,
+                "grad_norm": grad_norm.item(),
+                "lr": lr,
+                "tokens_per_s": tokens_per_s,
+                "mfu": None if peak is None else tokens_per_s * flops / (peak * 1e12 * dims.world_size),
+                "mem_gib": peak_memory_gib(device),
+                "elapsed_s": now - start,
+            }
+            if validate:
+                record["val_loss"] = evaluate(model, val_loader, job.validation.steps, device, loss_group)
+            logger.log(record)
+            last_step, last_time = step, time.perf_counter()
+    logger.close()
+
+
+def train_step(model, microbatches: list, device: torch.device) -> torch.Tensor:
+    """Forward and backward over this rank's microbatches; returns their mean loss."""
+    total = torch.zeros((), device=device)
+    for i, (inputs, labels) in enumerate(microbatches):
+        # Gradients are reduced across data-parallel ranks once, after the last microbatch.
+        model.set_requires_gradient_sync(i == len(microbatches) - 1)
+        loss = cross_entropy(model(inputs.to(device)), labels.to(device)) / len(microbatches)
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@torch.no_grad()
+def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, group) -> float:
+    total = torch.zeros((), device=device)
+    for step in range(steps):
+        batches = loader.microbatches(step)
+        for inputs, labels in batches:
+            total += cross_entropy(model(inputs.to(device)), labels.to(device)) / (len(batches) * steps)
+    return _mean(total, group)
+
+
+def _mean(value: torch.Tensor, group) -> float:
+    """The mean of a per-rank scalar over the ranks of `group`."""
+    value = value.detach().clone()
+    dist.all_reduce(value, group=group)
+    return value.item() / dist.get_world_size(group)
