@@ -103,6 +103,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
 
         validate = job.validation.every > 0 and step % job.validation.every == 0
         if step % job.metrics.log_every == 0 or step == t.steps or validate:

@@ -1,0 +1,71 @@
+"""Launching ranks from tests: torchrun for whole jobs, torch.multiprocessing for small checks.
+
+Every launch has a deadline: a hung collective fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+
+
+def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs train.py on `nproc` local gloo ranks; output goes to `output_dir`."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(REPO / "train.py"), *overrides, f"output_dir={output_dir}",
+    ]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def train_losses(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> list[float]:
+    """Per-step losses of a run that must succeed."""
+    result = torchrun(nproc, *overrides, output_dir=output_dir, timeout=timeout)
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return [r["loss"] for r in read_metrics(output_dir)]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    dist.init_process_group("gloo")
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 180) -> None:
+    """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; fn must be module-level."""
+    context = mp.start_processes(
+        _entry, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{world_size} ranks did not finish within {timeout}s")
