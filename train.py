@@ -12,7 +12,9 @@ register_configs()
 
 
 def config_error(e: ConfigError) -> None:
-    print(f"config error: {e}", file=sys.stderr, flush=True)
+    # One write per line: ranks share the terminal, and a single short write is not interleaved.
+    sys.stderr.write(f"config error: {e}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 

@@ -45,10 +45,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     With sharded (DTensor) gradients, the norm of the local shards is reduced across the mesh by
     DTensor itself; `full_tensor` makes it the same on every rank.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    parameters = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total

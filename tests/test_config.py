@@ -1,0 +1,67 @@
+"""Composition: recipes, group overrides, the smoke preset, and errors for bad keys or names."""
+
+import subprocess
+import sys
+
+import pytest
+from helpers import ENV, REPO
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer.config import CONFIG_DIR, RECIPE_DIR, check_group_choices, register_configs
+from trainer.errors import ConfigError
+
+register_configs()
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_recipe_sets_layout_and_command_line_wins():
+    cfg = composed("+recipe=llama_hsdp", "model=llama_debug", "training.steps=7")
+    assert cfg.parallel.dp_replicate == 2 and cfg.parallel.dp_shard == -1
+    assert cfg.model.name == "llama_debug"  # the group override beats the recipe's llama3_8b
+    assert cfg.training.steps == 7
+
+
+def test_recipe_alone_picks_a_real_model_size():
+    assert composed("+recipe=llama_fsdp").model.name == "llama3_8b"
+
+
+def test_smoke_keeps_layout_and_shrinks_the_run():
+    cfg = composed("+recipe=llama_hsdp", "model=llama_debug", "+smoke=cpu")
+    assert cfg.parallel.dp_replicate == 2
+    assert (cfg.device, cfg.training.steps, cfg.training.seq_len, cfg.training.global_batch_size) == ("cpu", 20, 128, 8)
+    assert cfg.metrics.log_every == 1
+
+
+def test_every_recipe_composes():
+    for path in RECIPE_DIR.glob("*.yaml"):
+        OmegaConf.to_object(composed(f"+recipe={path.stem}"))
+
+
+def test_misspelt_key_and_wrong_type_fail_naming_the_key():
+    with pytest.raises(Exception, match="stepz"):
+        composed("training.stepz=3")
+    with pytest.raises(Exception, match="steps"):
+        composed("training.steps=many")
+
+
+def test_unknown_group_choice_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"model=llama_huge is not a known model"):
+        check_group_choices(["model=llama_huge"])
+    with pytest.raises(ConfigError, match=r"recipe=nope is not a known recipe"):
+        check_group_choices(["+recipe=nope"])
+    check_group_choices(["+recipe=llama_fsdp", "model=llama_debug", "training.steps=3"])
+
+
+def test_print_config_without_running():
+    result = subprocess.run(
+        [sys.executable, "train.py", "+recipe=llama_fsdp", "--cfg", "job"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = OmegaConf.create(result.stdout)
+    assert printed.parallel.dp_shard == -1 and printed.model.name == "llama3_8b"

@@ -1,0 +1,75 @@
+"""ParallelDims: degree inference, each validation rule, and the mesh with its views."""
+
+import pytest
+from helpers import spawn
+
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.parallel.dims import ParallelDims
+
+
+def dims_for(world: int, **parallel) -> ParallelDims:
+    job = JobConfig()
+    job.training.seq_len, job.training.global_batch_size = 128, 8
+    for key, value in parallel.items():
+        section, name = key.split("__") if "__" in key else ("parallel", key)
+        setattr(getattr(job, section), name, value)
+    return ParallelDims.from_config(job.parallel, job.model, job.training, world)
+
+
+def test_dp_shard_takes_the_rest():
+    assert dims_for(8).dp_shard == 8
+    dims = dims_for(8, dp_replicate=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.dp) == (2, 4, 8)
+    assert dims.dp_replicate_enabled and dims.dp_shard_enabled and not dims.tp_enabled
+
+
+@pytest.mark.parametrize(
+    "world, settings, message",
+    [
+        (4, {"dp_replicate": 3}, r"parallel.dp_shard=-1 needs the world size 4 to be divisible by pp\*dp_replicate\*cp\*tp=3"),
+        (4, {"dp_replicate": 2, "dp_shard": 3}, r"parallel: pp\*dp_replicate\*dp_shard\*cp\*tp=6 must equal the world size 4"),
+        (4, {"tp": 3}, r"parallel.tp=3 must divide model.n_heads=16"),
+        (4, {"tp": 16, "model__n_heads": 32}, r"parallel.tp=16 must divide model.n_kv_heads=8"),
+        (4, {"tp": 2, "model__ffn_dim": 769}, r"parallel.tp=2 must divide model.ffn_dim=769"),
+        (4, {"pp": 9}, r"parallel.pp=9 must not exceed model.n_layers=8"),
+        (4, {"pp_schedule": "zigzag"}, r"parallel.pp_schedule=zigzag is unknown"),
+        (4, {"cp": 3}, r"parallel.cp=3 must divide training.seq_len=128"),
+        (4, {"training__seq_len": 4096}, r"training.seq_len=4096 must not exceed model.max_seq_len=2048"),
+        (4, {"training__global_batch_size": 6}, r"training.global_batch_size=6 must be divisible by dp\*grad_accum_steps=4"),
+        (2, {"training__grad_accum_steps": 3}, r"training.global_batch_size=8 must be divisible by dp\*grad_accum_steps=6"),
+        (4, {"tp": 0}, r"parallel.tp=0 must be >= 1"),
+        (4, {"tp": -1}, r"parallel.tp=-1 must be >= 1"),
+    ],
+)
+def test_rule_gives_a_config_error(world, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        dims_for(world, **settings)
+
+
+def _check_meshes(rank, world_size):
+    # Degrees in mesh order pp, dp_replicate, dp_shard, cp, tp; built directly, as later
+    # parallelisms will, so every dimension is exercised.
+    for pp, rep, shard, cp, tp in [(1, 1, 8, 1, 1), (1, 2, 4, 1, 1), (2, 2, 1, 1, 2), (1, 2, 1, 2, 2), (2, 1, 2, 2, 1)]:
+        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=1, world_size=world_size)
+        mesh = dims.build_mesh("cpu")
+        assert mesh.shape == (pp, rep, shard, cp, tp)
+        assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        sizes = {name: dims.view(name).size() for name in ("dp", "dp_shard_cp", "dp_cp", "tp", "pp")}
+        assert sizes == {"dp": rep * shard, "dp_shard_cp": shard * cp, "dp_cp": rep * shard * cp, "tp": tp, "pp": pp}
+        # Row-major layout: tp ranks are neighbours, pp ranks are world_size/pp apart.
+        coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+        assert dims.view("tp").mesh.tolist() == [rank - coords["tp"] + i for i in range(tp)]
+        assert dims.view("pp").mesh.tolist() == [rank % (world_size // pp) + i * (world_size // pp) for i in range(pp)]
+        # Every rank of a dp group shares its pp, cp and tp coordinates.
+        stride = cp * tp
+        assert dims.view("dp").mesh.tolist() == [
+            rank - (coords["dp_replicate"] * shard + coords["dp_shard"]) * stride + i * stride for i in range(rep * shard)
+        ]
+        fsdp = dims.fsdp_mesh if cp == 1 or rep == 1 else None
+        if fsdp is not None:
+            assert fsdp.ndim == (2 if rep > 1 else 1)
+
+
+def test_mesh_dims_and_views_on_eight_ranks():
+    spawn(_check_meshes, 8, timeout=240)

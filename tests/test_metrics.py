@@ -1,0 +1,32 @@
+"""FLOPs per token, device peaks and the console line."""
+
+from trainer import build_model
+from trainer.config import load_model_config
+from trainer.metrics import flops_per_token, format_record, peak_tflops
+
+import torch
+
+
+def test_flops_per_token_is_six_times_the_matmul_weights_plus_attention():
+    cfg = load_model_config("llama_debug")
+    model = build_model(cfg, device="meta")
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n)
+    assert flops_per_token(cfg, 128) == 6 * matmul_weights + 12 * cfg.n_layers * cfg.dim * 128
+
+
+def test_llama3_8b_flops_are_the_known_figure():
+    # About 6 * 7.5e9 weights that multiply (8.0e9 minus the 0.5e9 embedding) per token.
+    assert 44e9 < flops_per_token(load_model_config("llama3_8b"), 0) < 46e9
+
+
+def test_cpu_peak_is_the_setting_or_measured():
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu, None) is None
+    assert peak_tflops(cpu, 2.5) == 2.5
+    assert 0 < peak_tflops(cpu, "auto") < 100
+
+
+def test_console_line_is_readable():
+    line = format_record({"step": 3, "loss": 2.5, "grad_norm": 1.25, "lr": 3e-4, "tokens_per_s": 12345.6,
+                          "mfu": 0.123, "mem_gib": 0.5, "elapsed_s": 4.2})
+    assert line == "step     3 | loss 2.5000 | grad_norm 1.250 | lr 3.00e-04 | 12,346 tok/s | mfu 12.3% | mem 0.50 GiB | 4.2s"

@@ -1,0 +1,84 @@
+"""The public build_model API, Llama's properties, and an initialisation independent of layout."""
+
+import torch
+from helpers import spawn
+
+from trainer import build_model
+from trainer.config import ModelConfig
+from trainer.models import count_params, init_weights, materialize
+from trainer.parallel.fsdp import apply_fsdp
+
+TINY = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "ffn_dim": 96}
+
+
+def test_build_model_by_name_gives_the_debug_size():
+    model = build_model("llama_debug")
+    assert 5e6 < count_params(model) < 8e6
+    assert len(model.layers) == 8
+    logits = model(torch.randint(0, 2048, (2, 16)))
+    assert logits.shape == (2, 16, 2048) and logits.dtype == torch.float32
+
+
+def test_build_model_from_mapping_or_dataclass():
+    for spec in (TINY, ModelConfig(**TINY)):
+        model = build_model(spec)
+        assert model(torch.randint(0, 300, (1, 5))).shape == (1, 5, 300)
+
+
+def test_attention_is_causal():
+    model = build_model(TINY)
+    tokens = torch.randint(0, 300, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 300
+    torch.testing.assert_close(model(tokens)[0, :8], model(changed)[0, :8])
+    assert not torch.allclose(model(tokens)[0, 8:], model(changed)[0, 8:])
+
+
+def test_grouped_query_attention_equals_repeated_kv_heads():
+    """GQA with 2 kv heads is multi-head attention whose k/v weights repeat each head."""
+    gqa = build_model(TINY)
+    mha = build_model({**TINY, "n_kv_heads": 4})
+    mha.load_state_dict({k: v for k, v in gqa.state_dict().items() if not k.endswith(("wk.weight", "wv.weight"))}, strict=False)
+    head_dim = 16
+    with torch.no_grad():
+        for name in ("wk", "wv"):
+            for g, m in zip(gqa.layers.values(), mha.layers.values()):
+                w = getattr(g.attention, name).weight.view(2, head_dim, 64)
+                getattr(m.attention, name).weight.copy_(w.repeat_interleave(2, dim=0).reshape(64, 64))
+    tokens = torch.randint(0, 300, (2, 10))
+    torch.testing.assert_close(gqa(tokens), mha(tokens))
+
+
+def test_tied_output_shares_the_embedding():
+    model = build_model({**TINY, "tie_embeddings": True})
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_initialisation_is_seeded_by_name():
+    a, b, c = build_model(TINY, seed=0), build_model(TINY, seed=0), build_model(TINY, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
+    assert torch.equal(a.norm.weight, torch.ones(64))
+    assert abs(a.layers["1"].feed_forward.w1.weight.std().item() - 0.02) < 0.003
+
+
+def _sharded_init_matches_unsharded(rank, world_size, tie):
+    from trainer.parallel.dims import ParallelDims
+
+    spec = {**TINY, "tie_embeddings": tie, "vocab_size": 301}  # 301 rows: uneven shards
+    dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, world_size=world_size)
+    dims.build_mesh("cpu")
+    model = build_model(spec, device="meta")
+    apply_fsdp(model, list(model.layers.values()), dims.fsdp_mesh, torch.float32, torch.float32)
+    materialize(model, "cpu")
+    init_weights(model, seed=3)
+    reference = dict(build_model(spec, seed=3).named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param.full_tensor(), reference[name]), name
+    if tie:
+        assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_sharded_initialisation_equals_the_single_process_one():
+    spawn(_sharded_init_matches_unsharded, 3, False)
+    spawn(_sharded_init_matches_unsharded, 2, True)

@@ -1,0 +1,47 @@
+"""train.py end to end: launched as a user launches it, read back from its outputs."""
+
+import subprocess
+import sys
+
+from helpers import ENV, REPO, read_metrics, torchrun
+from omegaconf import OmegaConf
+
+FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "elapsed_s"}
+SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
+
+
+def test_torchrun_writes_metrics_config_and_console_lines(tmp_path):
+    result = torchrun(2, "+recipe=llama_fsdp", *SHORT, "metrics.peak_tflops=0.5", output_dir=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert FIELDS <= record.keys()
+        assert record["tokens_per_s"] > 0 and record["mem_gib"] > 0 and 0 < record["mfu"] < 1
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert result.stdout.count(" tok/s | ") == 4  # one console line per step, rank 0 only
+    saved = OmegaConf.load(tmp_path / "config.yaml")
+    assert saved.parallel.dp_shard == -1 and saved.output_dir == str(tmp_path)
+
+
+def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
+    result = torchrun(4, "+recipe=llama_hsdp", "model=llama_debug", "+smoke=cpu", "parallel.tp=3",
+                      output_dir=tmp_path, timeout=120)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
+    assert lines == ["config error: parallel.tp=3 must divide model.n_heads=16"] * 4
+    # torchrun reports the failed ranks with its own traceback; none comes from our code.
+    assert 'train.py", line' not in result.stderr and "/trainer/" not in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
+    cmd = [sys.executable, "train.py", "+recipe=llama_fsdp", *SHORT, "validation.every=2", "validation.steps=2",
+           "metrics.wandb.enabled=true", f"output_dir={tmp_path}"]
+    result = subprocess.run(cmd, cwd=REPO, env={**ENV, "WANDB_SILENT": "true"}, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    assert [("val_loss" in r) for r in records] == [False, True, False, True]
+    assert records[-1]["val_loss"] < records[1]["val_loss"]
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
