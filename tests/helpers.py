@@ -5,6 +5,7 @@ Every launch has a deadline: a hung collective fails the test instead of hanging
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -32,8 +33,15 @@ def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300
 def train_losses(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> list[float]:
     """Per-step losses of a run that must succeed."""
     result = torchrun(nproc, *overrides, output_dir=output_dir, timeout=timeout)
-    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, f"run failed:\n{failure_report(result)}"
     return [r["loss"] for r in read_metrics(output_dir)]
+
+
+def failure_report(result: subprocess.CompletedProcess) -> str:
+    """The ranks' own errors first (torchrun's summary of them is long and says little)."""
+    lines = (result.stdout + result.stderr).splitlines()
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return "\n".join(errors[:40]) + "\n--- stderr tail ---\n" + result.stderr[-3000:]
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -55,6 +63,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     try:
         fn(rank, world_size, *args)
     finally:
+        gc.collect()  # free FSDP's cyclic state before the groups go (see trainer.distributed.shutdown)
         dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -44,5 +45,8 @@ def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
 
 
 def shutdown() -> None:
+    # FSDP's state sits in reference cycles that hold gloo work objects; left to interpreter
+    # teardown, freeing them can abort the process ("terminate called without an active exception").
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
