@@ -45,3 +45,14 @@ def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
     assert [("val_loss" in r) for r in records] == [False, True, False, True]
     assert records[-1]["val_loss"] < records[1]["val_loss"]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
+
+
+def test_compiled_blocks_train_and_agree_with_eager_before_any_update(tmp_path):
+    eager = torchrun(1, "+recipe=llama_fsdp", *SHORT, output_dir=tmp_path / "eager", timeout=240)
+    compiled = torchrun(1, "+recipe=llama_fsdp", *SHORT, "training.compile=true", output_dir=tmp_path / "compiled",
+                        timeout=400)
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    eager_losses = [r["loss"] for r in read_metrics(tmp_path / "eager")]
+    compiled_losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
+    assert abs(compiled_losses[0] - eager_losses[0]) <= 1e-4 * eager_losses[0]
+    assert compiled_losses[-1] < compiled_losses[0]
