@@ -17,6 +17,11 @@ def dims_for(world: int, **parallel) -> ParallelDims:
     return ParallelDims.from_config(job.parallel, job.model, job.training, world)
 
 
+def test_rules_that_only_bind_with_the_feature_on():
+    dims_for(4, tp=2, loss_parallel=False, model__vocab_size=2049)
+    dims_for(4, tp=4, sequence_parallel=False, training__seq_len=130)
+
+
 def test_dp_shard_takes_the_rest():
     assert dims_for(8).dp_shard == 8
     dims = dims_for(8, dp_replicate=2)
@@ -38,6 +43,9 @@ def test_dp_shard_takes_the_rest():
         (4, {"training__seq_len": 4096}, r"training.seq_len=4096 must not exceed model.max_seq_len=2048"),
         (4, {"training__global_batch_size": 6}, r"training.global_batch_size=6 must be divisible by dp\*grad_accum_steps=4"),
         (2, {"training__grad_accum_steps": 3}, r"training.global_batch_size=8 must be divisible by dp\*grad_accum_steps=6"),
+        (4, {"tp": 2, "model__vocab_size": 2049}, r"parallel.tp=2 must divide model.vocab_size=2049 when parallel.loss_parallel=true"),
+        (4, {"tp": 4, "training__seq_len": 130}, r"parallel.tp=4 \(times parallel.cp=1\) must divide training.seq_len=130 when parallel.sequence_parallel=true"),
+        (4, {"tp": 2, "model__tie_embeddings": True}, r"parallel.tp=2 needs model.tie_embeddings=false"),
         (4, {"tp": 0}, r"parallel.tp=0 must be >= 1"),
         (4, {"tp": -1}, r"parallel.tp=-1 must be >= 1"),
     ],

@@ -30,6 +30,10 @@ LAYOUTS = {
     "hsdp2x2": (4, ["+recipe=llama_hsdp"]),
     "fsdp2_accum2": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2"]),
     "fsdp2_ac_full": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full"]),
+    "tp2": (2, ["+recipe=llama_tp2"]),
+    "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
+    "tp2_hsdp2x1": (4, ["+recipe=llama_tp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    "tp2_no_sp_no_lp": (2, ["+recipe=llama_tp2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"]),
 }
 
 

@@ -42,13 +42,19 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: f
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Clips by the global norm of all gradients and returns that norm (a plain tensor).
 
-    With sharded (DTensor) gradients, the norm of the local shards is reduced across the mesh by
-    DTensor itself; `full_tensor` makes it the same on every rank.
+    Sharded (DTensor) gradients are grouped by mesh, since parameters of one model can live on
+    different meshes (pipeline stages, experts); DTensor reduces each group's norm over its
+    mesh, and the groups' squares are summed.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    by_mesh: dict = {}
+    for p in parameters:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    squares = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, ByteTokenizer, build_dataset
@@ -19,6 +20,7 @@ from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel import PARALLELIZE
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.tensor_parallel import loss_parallel_context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +82,9 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     PARALLELIZE[job.model.family](
         model, dims, param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
         activation_checkpoint=t.activation_checkpoint, compile=t.compile,
+        sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
     )
+    loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
     materialize(model, device)
     init_weights(model, t.seed)
 
@@ -98,7 +102,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     start = last_time = time.perf_counter()
     last_step = 0
     for step in range(1, t.steps + 1):
-        loss = train_step(model, loader.microbatches(step - 1), device)
+        loss = train_step(model, loader.microbatches(step - 1), device, loss_parallel)
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -121,21 +125,22 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 "elapsed_s": now - start,
             }
             if validate:
-                record["val_loss"] = evaluate(model, val_loader, job.validation.steps, device, loss_group)
+                record["val_loss"] = evaluate(model, val_loader, job.validation.steps, device, loss_group, loss_parallel)
             logger.log(record)
             last_step, last_time = step, time.perf_counter()
     logger.close()
 
 
-def train_step(model, microbatches: list, device: torch.device) -> torch.Tensor:
+def train_step(model, microbatches: list, device: torch.device, loss_parallel: bool) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns their mean loss."""
     total = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(microbatches):
         # Gradients are reduced across data-parallel ranks once, after the last microbatch.
         model.set_requires_gradient_sync(i == len(microbatches) - 1)
-        loss = cross_entropy(model(inputs.to(device)), labels.to(device)) / len(microbatches)
-        loss.backward()
-        total += loss.detach()
+        with loss_parallel_context(loss_parallel):
+            loss = cross_entropy(model(inputs.to(device)), labels.to(device)) / len(microbatches)
+            loss.backward()
+        total += _local(loss.detach())
     return total
 
 
@@ -144,13 +149,20 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, group) -> float:
+def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, group, loss_parallel: bool) -> float:
     total = torch.zeros((), device=device)
     for step in range(steps):
         batches = loader.microbatches(step)
         for inputs, labels in batches:
-            total += cross_entropy(model(inputs.to(device)), labels.to(device)) / (len(batches) * steps)
+            with loss_parallel_context(loss_parallel):
+                loss = cross_entropy(model(inputs.to(device)), labels.to(device))
+            total += _local(loss) / (len(batches) * steps)
     return _mean(total, group)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (a loss computed under loss parallel)."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _mean(value: torch.Tensor, group) -> float:

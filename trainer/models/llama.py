@@ -95,7 +95,8 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab]."""
         h = self.tok_embeddings(tokens)
-        cos, sin = rope_cos_sin(h.shape[1], self.head_dim, self.rope_theta, h.device)
+        # The tokens' length, not h's: under sequence parallel h holds one slice of the sequence.
+        cos, sin = rope_cos_sin(tokens.shape[1], self.head_dim, self.rope_theta, tokens.device)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h))

@@ -9,11 +9,14 @@ from torch import nn
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.tensor_parallel import apply_tp
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                      activation_checkpoint: str, compile: bool) -> None:
+                      activation_checkpoint: str, compile: bool, sequence_parallel: bool, loss_parallel: bool) -> None:
     blocks = list(model.layers.values())
+    if dims.tp_enabled:
+        apply_tp(model, dims.view("tp"), sequence_parallel, loss_parallel)
     if activation_checkpoint == "full":
         apply_activation_checkpoint(blocks)
     if compile:

@@ -153,7 +153,20 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
         raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len}")
     if training.grad_accum_steps < 1:
         raise ConfigError(f"training.grad_accum_steps={training.grad_accum_steps} must be >= 1")
-    # Honest refusals until each parallelism lands (tracked as issues 3-6).
-    for key, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+    if tp > 1:
+        if parallel.loss_parallel and model.vocab_size % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} when parallel.loss_parallel=true"
+            )
+        if parallel.sequence_parallel and training.seq_len % (tp * cp):
+            raise ConfigError(
+                f"parallel.tp={tp} (times parallel.cp={cp}) must divide training.seq_len={training.seq_len} "
+                f"when parallel.sequence_parallel=true"
+            )
+        if model.tie_embeddings:
+            raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
+                              f"are split on different dimensions")
+    # Honest refusals until each parallelism lands (tracked as issues 4-6).
+    for key, value in (("pp", pp), ("cp", cp)):
         if value > 1:
             raise ConfigError(f"parallel.{key}={value} is not supported yet by this version of the trainer")
