@@ -30,11 +30,11 @@ def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def train_losses(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> list[float]:
-    """Per-step losses of a run that must succeed."""
+def train_metrics(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> list[dict]:
+    """The metrics.jsonl records of a run that must succeed."""
     result = torchrun(nproc, *overrides, output_dir=output_dir, timeout=timeout)
     assert result.returncode == 0, f"run failed:\n{failure_report(result)}"
-    return [r["loss"] for r in read_metrics(output_dir)]
+    return read_metrics(output_dir)
 
 
 def failure_report(result: subprocess.CompletedProcess) -> str:

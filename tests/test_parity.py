@@ -1,12 +1,13 @@
 """SPEC §8: every parallel layout reproduces the single-process loss curve.
 
 One seed, one global batch, ten steps of llama_debug in fp32. The 1-rank run is the reference;
-each layout's per-step losses must match it within 1e-4 relative.
+each layout's per-step losses must match it within 1e-4 relative. The gradient norms must match
+too (1e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
 """
 
 import pytest
 import torch
-from helpers import train_losses
+from helpers import train_metrics
 
 from trainer import build_model
 from trainer.config import JobConfig
@@ -16,6 +17,7 @@ from trainer.train import cross_entropy
 
 STEPS = 10
 RTOL = 1e-4
+GRAD_NORM_RTOL = 1e-3
 # Small enough for four ranks on two cores; the learning rate is high enough that a wrong
 # gradient shows in the loss within a few steps.
 COMMON = (
@@ -38,22 +40,27 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    return train_losses(1, "+recipe=llama_fsdp", *COMMON, output_dir=tmp_path_factory.mktemp("reference"))
+def reference(tmp_path_factory) -> list[dict]:
+    return train_metrics(1, "+recipe=llama_fsdp", *COMMON, output_dir=tmp_path_factory.mktemp("reference"))
 
 
-def max_relative_difference(losses: list[float], reference: list[float]) -> float:
-    assert len(losses) == len(reference) == STEPS
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+def max_relative_difference(values: list[float], reference: list[float]) -> float:
+    assert len(values) == len(reference) == STEPS
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_process(layout, reference, tmp_path):
     ranks, overrides = LAYOUTS[layout]
-    losses = train_losses(ranks, *overrides, *COMMON, output_dir=tmp_path)
-    difference = max_relative_difference(losses, reference)
+    records = train_metrics(ranks, *overrides, *COMMON, output_dir=tmp_path)
+    losses, expected = [r["loss"] for r in records], [r["loss"] for r in reference]
+    difference = max_relative_difference(losses, expected)
     print(f"{layout}: max relative loss difference {difference:.2e}")
-    assert difference <= RTOL, f"{layout} losses {losses} drift from the 1-rank run {reference}"
+    assert difference <= RTOL, f"{layout} losses {losses} drift from the 1-rank run {expected}"
+    norms, expected_norms = [r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]
+    assert max_relative_difference(norms, expected_norms) <= GRAD_NORM_RTOL, (
+        f"{layout} gradient norms {norms} differ from the 1-rank run's {expected_norms}"
+    )
     # The run learned something, so agreement is not that of two flat curves.
     assert losses[-1] < 0.8 * losses[0]
 
@@ -79,4 +86,4 @@ def test_single_process_matches_plain_pytorch_loop(reference):
         scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    assert max_relative_difference(losses, reference) <= 1e-5
+    assert max_relative_difference(losses, [r["loss"] for r in reference]) <= 1e-5
