@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -40,21 +41,31 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: f
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clips by the global norm of all gradients and returns that norm (a plain tensor).
+    """Clips by the global norm of all gradients and returns that norm, the same on every rank.
 
-    Sharded (DTensor) gradients are grouped by mesh, since parameters of one model can live on
-    different meshes (pipeline stages, experts); DTensor reduces each group's norm over its
-    mesh, and the groups' squares are summed.
+    Each rank sums the squares of its local gradient shards, each divided by the number of ranks
+    that hold the same values (the mesh dimensions a DTensor is replicated on; every rank for a
+    plain tensor), and one all-reduce over all ranks adds them up. That is exact for any mix of
+    sharding, replication and pipeline stages, and every rank gets the same bits.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    by_mesh: dict = {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for p in parameters:
-        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    squares = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt()
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            copies = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if pl.is_replicate())
+            grad = grad.to_local()
+        else:
+            copies = world
+        by_copies.setdefault(copies, []).append(grad)
+    squares = sum(
+        torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2 / copies
+        for copies, grads in by_copies.items()
+    )
+    if world > 1:
+        dist.all_reduce(squares)
+    total = squares.sqrt().float()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total

@@ -87,6 +87,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
     materialize(model, device)
     init_weights(model, t.seed)
+    if rank == 0:
+        print(describe_layout(model, dims), flush=True)
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
@@ -129,6 +131,17 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
             logger.log(record)
             last_step, last_time = step, time.perf_counter()
     logger.close()
+
+
+def describe_layout(model, dims: ParallelDims) -> str:
+    """One line on what the job is split into and how much of the model rank 0 holds."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    total = sum(p.numel() for p in model.parameters())
+    held = sum(p.numel() for p in local)
+    held_mib = sum(p.numel() * p.element_size() for p in local) / 2**20
+    degrees = ", ".join(f"{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    return (f"mesh {degrees} | parameters {total / 1e6:.2f}M, rank 0 holds {held / 1e6:.2f}M "
+            f"({held_mib:.1f} MiB, 1/{total / held:.2f} of the model)")
 
 
 def train_step(model, microbatches: list, device: torch.device, loss_parallel: bool) -> torch.Tensor:
