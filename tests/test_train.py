@@ -56,3 +56,18 @@ def test_compiled_blocks_train_and_agree_with_eager_before_any_update(tmp_path):
     compiled_losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
     assert abs(compiled_losses[0] - eager_losses[0]) <= 1e-4 * eager_losses[0]
     assert compiled_losses[-1] < compiled_losses[0]
+
+
+def test_compile_with_tensor_parallel_is_refused():
+    import pytest
+
+    from trainer.config import JobConfig
+    from trainer.errors import ConfigError
+    from trainer.train import check_job
+
+    job = JobConfig()
+    job.training.seq_len, job.training.compile, job.parallel.tp = 128, True, 2
+    with pytest.raises(ConfigError, match=r"training.compile=true cannot be combined with parallel.tp=2"):
+        check_job(job, world=2)
+    job.parallel.tp = 1
+    check_job(job, world=2)

@@ -34,6 +34,11 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     for key in ("steps", "seq_len", "global_batch_size"):
         if getattr(t, key) < 1:
             raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 1")
+    if t.compile and dims.tp_enabled:
+        # Measured with torch 2.13: compiled blocks under sequence parallel return no gradient
+        # to the tensor-parallel embedding (its gradient is all zeros), so training would be wrong.
+        raise ConfigError(f"training.compile=true cannot be combined with parallel.tp={dims.tp} yet: compiled "
+                          f"blocks drop the embedding's gradient under tensor parallel; use training.compile=false")
     if t.activation_checkpoint not in ("none", "full"):
         raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be none or full in this version")
     for key in ("param_dtype", "reduce_dtype"):
