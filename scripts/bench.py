@@ -3,7 +3,8 @@
     python scripts/bench.py --runs llama_fsdp:1 llama_fsdp:2 --threads 2 --out bench.json \
         model.n_layers=6 model.n_kv_heads=16 training.seq_len=2048 training.global_batch_size=8
 
-Each `recipe:ranks` run launches train.py (torchrun for more than one rank) with the total
+A run is `recipe:ranks`, optionally with its own overrides: `llama_tp2:4:parallel.tp=4,parallel.dp_shard=1`.
+Each run launches train.py (torchrun for more than one rank) with the total
 `--threads` split evenly over its ranks and reads its metrics.jsonl: the median tokens/s and MFU
 after the warm-up steps, and the peak memory of rank 0. The plain loop (forward, cross-entropy,
 backward, AdamW: no framework) runs with all `--threads` in one process.
@@ -25,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def run_trainer(recipe: str, ranks: int, threads: int, steps: int, warmup: int, overrides: list[str]) -> dict:
+def run_trainer(recipe: str, ranks: int, threads: int, steps: int, warmup: int, overrides: list[str],
+                label: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // ranks))}
     with tempfile.TemporaryDirectory() as out:
         args = [f"+recipe={recipe}", "device=cpu", f"training.steps={steps}", "metrics.log_every=1",
@@ -39,10 +41,11 @@ def run_trainer(recipe: str, ranks: int, threads: int, steps: int, warmup: int, 
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     measured = records[warmup:]
     return {
-        "name": recipe, "ranks": ranks, "threads_per_rank": max(1, threads // ranks),
+        "name": label, "ranks": ranks, "threads_per_rank": max(1, threads // ranks),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),
         "mfu": statistics.median(r["mfu"] for r in measured),
         "mem_gib": max(r["mem_gib"] for r in measured),
+        "param_mib": measured[-1]["param_mib"],
     }
 
 
@@ -81,6 +84,7 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
         "name": "plain PyTorch loop", "ranks": 1, "threads_per_rank": threads, "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token(cfg.model, seq_len) / (peak * 1e12),
         "mem_gib": peak_memory_gib(torch.device("cpu")),
+        "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
     }
 
 
@@ -98,16 +102,20 @@ def main() -> None:
     overrides = [f"model={args.model}", *args.overrides]
     rows = [run_plain_loop(args.threads, args.steps, args.warmup, overrides)]
     for run in args.runs:
-        recipe, ranks = run.split(":")
-        rows.append(run_trainer(recipe, int(ranks), args.threads, args.steps, args.warmup, overrides))
+        recipe, ranks, *extra = run.split(":")
+        extra = extra[0].split(",") if extra else []
+        label = " ".join([recipe, *extra])
+        rows.append(run_trainer(recipe, int(ranks), args.threads, args.steps, args.warmup, [*overrides, *extra], label))
     baseline = rows[0]["tokens_per_s"]
     for row in rows:
         row["vs_plain"] = row["tokens_per_s"] / baseline
 
-    print(f"{'run':<20} {'ranks':>5} {'thr/rank':>8} {'tokens/s':>10} {'vs plain':>8} {'MFU':>7} {'mem GiB':>8}")
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'run':<{width}} {'ranks':>5} {'thr/rank':>8} {'tokens/s':>10} {'vs plain':>8} {'MFU':>7} "
+          f"{'mem GiB':>8} {'params MiB/rank':>15}")
     for r in rows:
-        print(f"{r['name']:<20} {r['ranks']:>5} {r['threads_per_rank']:>8} {r['tokens_per_s']:>10,.0f} "
-              f"{r['vs_plain']:>8.2f} {100 * r['mfu']:>6.1f}% {r['mem_gib']:>8.2f}")
+        print(f"{r['name']:<{width}} {r['ranks']:>5} {r['threads_per_rank']:>8} {r['tokens_per_s']:>10,.0f} "
+              f"{r['vs_plain']:>8.2f} {100 * r['mfu']:>6.1f}% {r['mem_gib']:>8.2f} {r['param_mib']:>15.1f}")
     Path(args.out).write_text(json.dumps({"overrides": overrides, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
 

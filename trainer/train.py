@@ -92,6 +92,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
     materialize(model, device)
     init_weights(model, t.seed)
+    param_mib = sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**20
     if rank == 0:
         print(describe_layout(model, dims), flush=True)
 
@@ -129,6 +130,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 "tokens_per_s": tokens_per_s,
                 "mfu": None if peak is None else tokens_per_s * flops / (peak * 1e12 * dims.world_size),
                 "mem_gib": peak_memory_gib(device),
+                "param_mib": param_mib,
                 "elapsed_s": now - start,
             }
             if validate:
