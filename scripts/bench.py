@@ -7,7 +7,10 @@ A run is `recipe:ranks`, optionally with its own overrides: `llama_tp2:4:paralle
 Each run launches train.py (torchrun for more than one rank) with the total
 `--threads` split evenly over its ranks and reads its metrics.jsonl: the median tokens/s and MFU
 after the warm-up steps, and the peak memory of rank 0. The plain loop (forward, cross-entropy,
-backward, AdamW: no framework) runs with all `--threads` in one process.
+backward, AdamW: no framework) runs with all `--threads` in a process of its own.
+
+A shared 2-core machine drifts by several percent over minutes, so runs go round-robin
+`--repeats` times and each row is the repeat with the median tokens/s.
 """
 
 from __future__ import annotations
@@ -88,6 +91,16 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     }
 
 
+def plain_loop_in_subprocess(threads: int, steps: int, warmup: int, overrides: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, __file__, "--plain-loop", f"--threads={threads}", f"--steps={steps}", f"--warmup={warmup}",
+           *overrides]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"plain loop failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=["llama_fsdp:1", "llama_fsdp:2"], help="recipe:ranks")
@@ -95,17 +108,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     parser.add_argument("--model", default="llama_debug")
+    parser.add_argument("--repeats", type=int, default=1, help="round-robin repeats; rows are medians")
     parser.add_argument("--out", default="bench.json")
+    parser.add_argument("--plain-loop", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. training.seq_len=2048")
     args = parser.parse_args()
 
+    if args.plain_loop:
+        print(json.dumps(run_plain_loop(args.threads, args.steps, args.warmup, args.overrides)))
+        return
     overrides = [f"model={args.model}", *args.overrides]
-    rows = [run_plain_loop(args.threads, args.steps, args.warmup, overrides)]
+    measures = [lambda: plain_loop_in_subprocess(args.threads, args.steps, args.warmup, overrides)]
     for run in args.runs:
         recipe, ranks, *extra = run.split(":")
         extra = extra[0].split(",") if extra else []
         label = " ".join([recipe, *extra])
-        rows.append(run_trainer(recipe, int(ranks), args.threads, args.steps, args.warmup, [*overrides, *extra], label))
+        measures.append(lambda recipe=recipe, ranks=int(ranks), extra=extra, label=label: run_trainer(
+            recipe, ranks, args.threads, args.steps, args.warmup, [*overrides, *extra], label))
+    repeats = [[measure() for measure in measures] for _ in range(args.repeats)]
+    rows = [sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2] for results in zip(*repeats)]
     baseline = rows[0]["tokens_per_s"]
     for row in rows:
         row["vs_plain"] = row["tokens_per_s"] / baseline
