@@ -13,6 +13,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from trainer.errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 RECIPE_DIR = REPO_ROOT / "recipes"
@@ -149,8 +151,6 @@ GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
 
 def check_group_choices(argv: list[str]) -> None:
     """Names an unknown `group=NAME` choice in one line, before Hydra composes anything."""
-    from trainer.errors import ConfigError
-
     for arg in argv:
         key, sep, name = arg.lstrip("+~").partition("=")
         if not sep or key not in GROUPS:
@@ -174,8 +174,6 @@ def load_model_config(name: str) -> ModelConfig:
     """The model config named `name` (a file in configs/model/), checked against the schema."""
     path = CONFIG_DIR / "model" / f"{name}.yaml"
     if not path.exists():
-        from trainer.errors import ConfigError
-
         known = sorted(p.stem for p in path.parent.glob("*.yaml"))
         raise ConfigError(f"model={name} is not a known model; choose one of {known}")
     node = OmegaConf.load(path)

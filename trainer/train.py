@@ -77,7 +77,6 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
 
     # Built on meta, sharded, then allocated and initialised shard by shard.
     model = build_model(job.model, device="meta")
@@ -92,9 +91,11 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
     materialize(model, device)
     init_weights(model, t.seed)
-    param_mib = sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**20
+    held = [_local(p) for p in model.parameters()]
+    param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
     if rank == 0:
-        print(describe_layout(model, dims), flush=True)
+        total = sum(p.numel() for p in model.parameters())
+        print(describe_layout(dims, total, sum(p.numel() for p in held), param_mib), flush=True)
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
@@ -140,12 +141,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     logger.close()
 
 
-def describe_layout(model, dims: ParallelDims) -> str:
+def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
     """One line on what the job is split into and how much of the model rank 0 holds."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    total = sum(p.numel() for p in model.parameters())
-    held = sum(p.numel() for p in local)
-    held_mib = sum(p.numel() * p.element_size() for p in local) / 2**20
     degrees = ", ".join(f"{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     return (f"mesh {degrees} | parameters {total / 1e6:.2f}M, rank 0 holds {held / 1e6:.2f}M "
             f"({held_mib:.1f} MiB, 1/{total / held:.2f} of the model)")
@@ -181,7 +178,7 @@ def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, group
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value as a plain tensor (a loss computed under loss parallel)."""
+    """The part of a DTensor this rank holds (all of it when replicated, e.g. a loss-parallel loss)."""
     return value.to_local() if isinstance(value, DTensor) else value
 
 
