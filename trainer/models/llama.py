@@ -2,7 +2,8 @@
 
 Rotary embeddings use the half-split ("rotate half") layout of Hugging Face's Llama so that its
 weights load without permutation. Layers live in a ModuleDict keyed by their index, so a model
-that keeps only some layers (a pipeline stage) keeps the parameter names of the whole model.
+that keeps only some layers (a pipeline stage) keeps the parameter names of the whole model; such
+a model may also have no embedding (it takes hidden states) or no norm and output (it returns them).
 """
 
 from __future__ import annotations
@@ -30,20 +31,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rope_theta: float):
         super().__init__()
         self.head_dim = dim // n_heads
+        self.rope_theta = rope_theta
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds only its share of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # Shapes from the projections, not x: under tensor parallel each rank holds its share of
+        # the heads, and under sequence parallel x may be a slice that the projections gather.
+        batch, seq = q.shape[:2]
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim)
+        cos, sin = rope_cos_sin(seq, self.head_dim, self.rope_theta, q.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -62,28 +67,26 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, norm_eps: float):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, norm_eps: float, rope_theta: float):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = FeedForward(dim, ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.rope_theta = cfg.rope_theta
         self.n_layers = cfg.n_layers
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps)
+                str(i): TransformerBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta)
                 for i in range(cfg.n_layers)
             }
         )
@@ -93,13 +96,13 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
-        h = self.tok_embeddings(tokens)
-        # The tokens' length, not h's: under sequence parallel h holds one slice of the sequence.
-        cos, sin = rope_cos_sin(tokens.shape[1], self.head_dim, self.rope_theta, tokens.device)
+        """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states in, out, for a stage)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     def init_std(self, name: str) -> float | None:
         """The std of the normal a parameter starts from; None for ones (the norm weights).

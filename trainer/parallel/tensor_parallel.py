@@ -50,9 +50,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     )
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
+            "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
