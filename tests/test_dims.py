@@ -22,6 +22,15 @@ def test_rules_that_only_bind_with_the_feature_on():
     dims_for(4, tp=4, sequence_parallel=False, training__seq_len=130)
 
 
+def test_pipeline_degrees_are_derived_from_the_schedule():
+    dims = dims_for(4, pp=2, pp_schedule="1f1b")
+    assert (dims.pp_stages_per_rank, dims.pp_microbatches, dims.dp_shard) == (1, 2, 2)
+    dims = dims_for(2, pp=2, pp_schedule="interleaved_zb")
+    assert (dims.pp_stages_per_rank, dims.pp_microbatches) == (2, 4)
+    dims_for(2, pp=2, pp_stage_modules=[["tok_embeddings", *[f"layers.{i}" for i in range(5)]],
+                                        [*[f"layers.{i}" for i in range(5, 8)], "norm", "output"]])
+
+
 def test_dp_shard_takes_the_rest():
     assert dims_for(8).dp_shard == 8
     dims = dims_for(8, dp_replicate=2)
@@ -46,6 +55,13 @@ def test_dp_shard_takes_the_rest():
         (4, {"tp": 2, "model__vocab_size": 2049}, r"parallel.tp=2 must divide model.vocab_size=2049 when parallel.loss_parallel=true"),
         (4, {"tp": 4, "training__seq_len": 130}, r"parallel.tp=4 \(times parallel.cp=1\) must divide training.seq_len=130 when parallel.sequence_parallel=true"),
         (4, {"tp": 2, "model__tie_embeddings": True}, r"parallel.tp=2 needs model.tie_embeddings=false"),
+        (2, {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 3}, r"parallel.pp_stages_per_rank=3 must be 2 for parallel.pp_schedule=zbv"),
+        (2, {"pp": 2, "pp_schedule": "gpipe", "pp_stages_per_rank": 2}, r"parallel.pp_stages_per_rank=2 must be 1 for parallel.pp_schedule=gpipe"),
+        (4, {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 3}, r"12 stages must not exceed model.n_layers=8: every stage needs a layer"),
+        (2, {"pp": 2, "model__tie_embeddings": True}, r"parallel.pp=2 needs model.tie_embeddings=false"),
+        (2, {"pp": 2, "pp_microbatches": 3}, r"parallel.pp_microbatches=3 must divide the batch each pipeline step runs, global_batch_size/\(dp\*grad_accum_steps\)=8"),
+        (4, {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}, r"parallel.pp_microbatches=2 must be >= parallel.pp=4 for parallel.pp_schedule=interleaved_1f1b"),
+        (2, {"pp": 2, "pp_stage_modules": [["tok_embeddings", "layers.0"], ["layers.2", "norm", "output"]]}, r"parallel.pp_stage_modules must be 2 lists"),
         (4, {"tp": 0}, r"parallel.tp=0 must be >= 1"),
         (4, {"tp": -1}, r"parallel.tp=-1 must be >= 1"),
     ],

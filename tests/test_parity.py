@@ -13,6 +13,7 @@ from trainer import build_model
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from trainer.train import cross_entropy
 
 STEPS = 10
@@ -36,6 +37,12 @@ LAYOUTS = {
     "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
     "tp2_hsdp2x1": (4, ["+recipe=llama_tp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
     "tp2_no_sp_no_lp": (2, ["+recipe=llama_tp2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"]),
+    **{f"pp2_{s}": (2, ["+recipe=llama_fsdp", "parallel.pp=2", f"parallel.pp_schedule={s}"]) for s in PP_SCHEDULES},
+    "pp2_fsdp2": (4, ["+recipe=llama_fsdp", "parallel.pp=2"]),
+    "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
+    "pp2_accum2": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2"]),
+    "pp2_interleaved_recipe": (2, ["+recipe=llama_pp_interleaved"]),
+    "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -49,8 +49,15 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     pp_schedule: str = "1f1b"
+    # null: one microbatch per pipeline stage.
     pp_microbatches: Optional[int] = None
     pp_stages_per_rank: Optional[int] = None
+    # What the embedding and the output head weigh, in layers, when stages are balanced.
+    pp_embedding_cost: float = 1.0
+    pp_output_cost: float = 1.0
+    # An explicit split overriding the balanced one: module names per stage, e.g.
+    # [[tok_embeddings, layers.0, ...], [..., layers.7, norm, output]].
+    pp_stage_modules: Optional[List[List[str]]] = None
     cp_method: str = "ring"
     sequence_parallel: bool = True
     loss_parallel: bool = True

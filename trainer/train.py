@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig
@@ -20,6 +22,7 @@ from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel import PARALLELIZE
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import build_schedule, keep_modules, split_modules, stage_ids
 from trainer.parallel.tensor_parallel import loss_parallel_context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,6 +50,9 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
             raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
     if job.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {ByteTokenizer.vocab_size}")
+    if dims.pp_enabled and job.validation.every > 0:
+        raise ConfigError(f"validation.every={job.validation.every} is not supported with parallel.pp={dims.pp} yet; "
+                          f"set validation.every=0")
     if job.metrics.log_every < 1:
         raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
     peak = job.metrics.peak_tflops
@@ -79,23 +85,51 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
 
     # Built on meta, sharded, then allocated and initialised shard by shard.
-    model = build_model(job.model, device="meta")
     param_dtype = t.mixed_precision.param_dtype
     if param_dtype == "auto":
         param_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    PARALLELIZE[job.model.family](
-        model, dims, param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
-        activation_checkpoint=t.activation_checkpoint, compile=t.compile,
-        sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
+    parallelize = partial(
+        PARALLELIZE[job.model.family], dims=dims, param_dtype=DTYPES[param_dtype],
+        reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
+        compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
     )
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
-    materialize(model, device)
-    init_weights(model, t.seed)
+    pp_rank = dims.view("pp").get_local_rank()
+    ids = stage_ids(pp_rank, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
+    n_stages = dims.pp * dims.pp_stages_per_rank
+    stage_modules = job.parallel.pp_stage_modules or split_modules(
+        job.model.n_layers, n_stages, job.parallel.pp_embedding_cost, job.parallel.pp_output_cost
+    )
+    parts = []
+    for stage in ids:
+        part = build_model(job.model, device="meta")
+        if dims.pp_enabled:
+            keep_modules(part, stage_modules[stage])
+        parallelize(part)
+        materialize(part, device)
+        init_weights(part, t.seed)
+        parts.append(part)
+    model = nn.ModuleList(parts)
     held = [_local(p) for p in model.parameters()]
     param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
         print(describe_layout(dims, total, sum(p.numel() for p in held), param_mib), flush=True)
+
+    if dims.pp_enabled:
+        def loss_fn(logits, labels):
+            # Each microbatch's share of the step's mean loss, so gradients sum to the mean's.
+            return cross_entropy(logits, labels) / (t.grad_accum_steps * dims.pp_microbatches)
+
+        schedule = build_schedule(job.parallel.pp_schedule, parts, ids, n_stages, dims.view("pp").get_group(),
+                                  device, dims.pp_microbatches, loss_fn)
+        first, last = 0 in ids, n_stages - 1 in ids
+
+        def step_fn(microbatches):
+            return pipeline_step(schedule, microbatches, device, loss_parallel, first, last)
+    else:
+        def step_fn(microbatches):
+            return train_step(parts[0], microbatches, device, loss_parallel)
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
@@ -111,7 +145,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     start = last_time = time.perf_counter()
     last_step = 0
     for step in range(1, t.steps + 1):
-        loss = train_step(model, loader.microbatches(step - 1), device, loss_parallel)
+        loss = step_fn(loader.microbatches(step - 1))
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -121,6 +155,9 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
         validate = job.validation.every > 0 and step % job.validation.every == 0
         if step % job.metrics.log_every == 0 or step == t.steps or validate:
             loss = _mean(loss, loss_group)
+            if dims.pp_enabled:
+                # Only the last stage computed a loss; the other stages contribute zero.
+                loss = _mean(torch.tensor(loss, device=device), dims.view("pp").get_group()) * dims.pp
             now = time.perf_counter()
             tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
             record = {
@@ -135,17 +172,19 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 "elapsed_s": now - start,
             }
             if validate:
-                record["val_loss"] = evaluate(model, val_loader, job.validation.steps, device, loss_group, loss_parallel)
+                record["val_loss"] = evaluate(parts[0], val_loader, job.validation.steps, device, loss_group, loss_parallel)
             logger.log(record)
             last_step, last_time = step, time.perf_counter()
     logger.close()
 
 
 def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
-    """One line on what the job is split into and how much of the model rank 0 holds."""
+    """One line on what the job is split into and how much of its model (its stages, under pipeline
+    parallel) rank 0 holds."""
     degrees = ", ".join(f"{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
-    return (f"mesh {degrees} | parameters {total / 1e6:.2f}M, rank 0 holds {held / 1e6:.2f}M "
-            f"({held_mib:.1f} MiB, 1/{total / held:.2f} of the model)")
+    scope = "rank 0's stages" if dims.pp_enabled else "the model"
+    return (f"mesh {degrees} | {scope}: {total / 1e6:.2f}M parameters, rank 0 holds {held / 1e6:.2f}M "
+            f"({held_mib:.1f} MiB, 1/{total / held:.2f})")
 
 
 def train_step(model, microbatches: list, device: torch.device, loss_parallel: bool) -> torch.Tensor:
@@ -158,6 +197,21 @@ def train_step(model, microbatches: list, device: torch.device, loss_parallel: b
             loss = cross_entropy(model(inputs.to(device)), labels.to(device)) / len(microbatches)
             loss.backward()
         total += _local(loss.detach())
+    return total
+
+
+def pipeline_step(schedule, microbatches: list, device: torch.device, loss_parallel: bool, first: bool,
+                  last: bool) -> torch.Tensor:
+    """One schedule run per accumulation chunk; the schedule splits it into pipeline microbatches
+    and (on the last stage) records each one's already scaled loss, so they sum to the mean."""
+    total = torch.zeros((), device=device)
+    for inputs, labels in microbatches:
+        losses: list[torch.Tensor] = []
+        args = (inputs.to(device),) if first else ()
+        with loss_parallel_context(loss_parallel):
+            schedule.step(*args, target=labels.to(device) if last else None, losses=losses)
+        if last:
+            total += torch.stack([_local(loss.detach()) for loss in losses]).sum()
     return total
 
 

@@ -23,7 +23,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torc
         for block in blocks:
             block.compile()
     # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.
-    apply_fsdp(model, blocks, dims.fsdp_mesh, param_dtype, reduce_dtype)
+    apply_fsdp(model, blocks, dims.fsdp_mesh, param_dtype, reduce_dtype, pipelined=dims.pp_enabled)
 
 
 PARALLELIZE = {"llama": parallelize_llama}

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.errors import ConfigError
+from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES, SINGLE_STAGE, V_SHAPED, check_stage_modules, stages_per_rank
 
 # Outermost first: tp is innermost so its ranks are neighbours (inside one node).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 # Flattened views: name -> the mesh dimensions it joins.
 FLAT_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),  # data loading: each dp rank reads its own batch slice
@@ -34,6 +34,9 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    # Derived from the schedule and the batch (see pipeline.py); 1 without pipeline parallel.
+    pp_stages_per_rank: int = 1
+    pp_microbatches: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
 
@@ -77,6 +80,21 @@ class ParallelDims:
                 f"training.global_batch_size={training.global_batch_size} must be divisible by "
                 f"dp*grad_accum_steps={per_step} (dp={dims.dp}, grad_accum_steps={training.grad_accum_steps})"
             )
+        if dims.pp_enabled:
+            dims.pp_stages_per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+            n_stages = dims.pp * dims.pp_stages_per_rank
+            dims.pp_microbatches = parallel.pp_microbatches or n_stages
+            batch = training.global_batch_size // per_step
+            if batch % dims.pp_microbatches:
+                raise ConfigError(
+                    f"parallel.pp_microbatches={dims.pp_microbatches} must divide the batch each pipeline step runs, "
+                    f"global_batch_size/(dp*grad_accum_steps)={batch}"
+                )
+            if parallel.pp_schedule not in SINGLE_STAGE and dims.pp_microbatches < dims.pp:
+                raise ConfigError(
+                    f"parallel.pp_microbatches={dims.pp_microbatches} must be >= parallel.pp={dims.pp} "
+                    f"for parallel.pp_schedule={parallel.pp_schedule}"
+                )
         return dims
 
     @property
@@ -143,10 +161,12 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(model, key) % tp:
             raise ConfigError(f"parallel.tp={tp} must divide model.{key}={getattr(model, key)}")
-    if pp > model.n_layers:
-        raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
     if parallel.pp_schedule not in PP_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} is unknown; choose one of {list(PP_SCHEDULES)}")
+    if pp > model.n_layers:
+        raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
+    if pp > 1:
+        _check_pipeline_rules(pp, parallel, model)
     if training.seq_len % cp:
         raise ConfigError(f"parallel.cp={cp} must divide training.seq_len={training.seq_len}")
     if training.seq_len > model.max_seq_len:
@@ -166,7 +186,31 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
         if model.tie_embeddings:
             raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
                               f"are split on different dimensions")
-    # Honest refusals until each parallelism lands (tracked as issues 4-6).
-    for key, value in (("pp", pp), ("cp", cp)):
+    # Honest refusals until each parallelism lands (tracked as issues 5-6).
+    for key, value in (("cp", cp),):
         if value > 1:
             raise ConfigError(f"parallel.{key}={value} is not supported yet by this version of the trainer")
+
+
+def _check_pipeline_rules(pp: int, parallel, model) -> None:
+    per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+    schedule = parallel.pp_schedule
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 1 for parallel.pp_schedule={schedule}")
+    if schedule in V_SHAPED and per_rank != 2:
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 2 for parallel.pp_schedule={schedule}")
+    if per_rank < 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be >= 1")
+    n_stages = pp * per_rank
+    if n_stages > model.n_layers:
+        raise ConfigError(
+            f"parallel.pp={pp} x pp_stages_per_rank={per_rank} = {n_stages} stages must not exceed "
+            f"model.n_layers={model.n_layers}: every stage needs a layer"
+        )
+    if model.tie_embeddings:
+        raise ConfigError(f"parallel.pp={pp} needs model.tie_embeddings=false: the embedding and the output "
+                          f"head sit on different stages")
+    if parallel.pp_microbatches is not None and parallel.pp_microbatches < 1:
+        raise ConfigError(f"parallel.pp_microbatches={parallel.pp_microbatches} must be >= 1")
+    if parallel.pp_stage_modules is not None:
+        check_stage_modules(parallel.pp_stage_modules, n_stages, model.n_layers)

@@ -10,10 +10,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype) -> None:
-    """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP."""
+               reduce_dtype: torch.dtype, pipelined: bool = False) -> None:
+    """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP.
+
+    Under pipeline parallel, parameters stay gathered from forward to backward: a stage runs
+    many microbatches, and the zero-bubble schedules' deferred weight-gradient pass gives wrong
+    gradients with parameters re-gathered for backward (measured with torch 2.13).
+    """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        reshard = not pipelined and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not pipelined)

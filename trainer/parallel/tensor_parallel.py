@@ -34,20 +34,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
         for name, module in model.named_modules():
             if name.endswith("norm"):
                 _replicate(module, tp_mesh)
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-            **({"norm": SequenceParallel()} if sequence_parallel else {}),
-            "output": ColwiseParallel(
-                input_layouts=between,
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                # Loss parallel needs the logits as a DTensor to know they are split on the vocabulary.
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            # Loss parallel needs the logits as a DTensor to know they are split on the vocabulary.
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # A pipeline stage may lack the embedding or the head; without SP the norm stays replicated.
+    present = [name for name in plan if getattr(model, name) is not None and (name != "norm" or sequence_parallel)]
+    parallelize_module(model, tp_mesh, {name: plan[name] for name in present})
     for block in model.layers.values():
         plan = {
             "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),

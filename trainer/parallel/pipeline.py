@@ -1,0 +1,113 @@
+"""Pipeline parallel: the model cut into stages by layer, run by a torch.distributed.pipelining schedule.
+
+Each stage is the whole model's module tree, built on meta, with the modules of other stages
+removed, so parameter names (and the layout-independent initialisation) are those of the whole
+model. A rank holds one stage (gpipe, 1f1b) or several (the interleaved and V-shaped schedules).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from trainer.errors import ConfigError
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE_STAGE = ("gpipe", "1f1b")
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def stages_per_rank(schedule: str, configured: int | None) -> int:
+    """One stage per rank for gpipe and 1f1b, two for the others unless configured."""
+    if configured is not None:
+        return configured
+    return 1 if schedule in SINGLE_STAGE else 2
+
+
+def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    """The stages a rank runs: looped (r, r+pp, ...) or, for V-shaped schedules, (r, 2*pp-1-r)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def split_modules(n_layers: int, n_stages: int, embedding_cost: float, output_cost: float) -> list[list[str]]:
+    """Module names per stage, contiguous, balancing the cost of layers plus embedding and head.
+
+    The embedding and the output head (with the final norm) count as `embedding_cost` and
+    `output_cost` layers. Each stage takes at least one layer, then more while it stays within
+    its even share of what is left, leaving a layer for every later stage.
+    """
+    units = [("tok_embeddings", embedding_cost)] + [(f"layers.{i}", 1.0) for i in range(n_layers)]
+    units += [("norm", 0.0), ("output", output_cost)]
+    stages: list[list[str]] = []
+    remaining = sum(cost for _, cost in units)
+    position = 0
+    for stage in range(n_stages):
+        share = remaining / (n_stages - stage)
+        taken, cost, has_layer = [], 0.0, False
+        layers_left = sum(name.startswith("layers.") for name, _ in units[position:])
+        while position < len(units):
+            name, unit_cost = units[position]
+            is_layer = name.startswith("layers.")
+            if has_layer and is_layer and (cost + unit_cost > share + 1e-9 or layers_left <= n_stages - stage - 1):
+                break
+            taken.append(name)
+            cost += unit_cost
+            has_layer |= is_layer
+            layers_left -= is_layer
+            position += 1
+        stages.append(taken)
+        remaining -= cost
+    stages[-1] += [name for name, _ in units[position:]]
+    return stages
+
+
+def check_stage_modules(stages: list[list[str]], n_stages: int, n_layers: int) -> None:
+    """An explicit split must name every module once, in model order, with a layer on every stage."""
+    expected = ["tok_embeddings"] + [f"layers.{i}" for i in range(n_layers)] + ["norm", "output"]
+    given = [name for stage in stages for name in stage]
+    if len(stages) != n_stages or given != expected or any(
+        not any(name.startswith("layers.") for name in stage) for stage in stages
+    ):
+        raise ConfigError(
+            f"parallel.pp_stage_modules must be {n_stages} lists that together name {expected[0]}, "
+            f"layers.0 .. layers.{n_layers - 1}, norm, output once each in that order, each with a layer"
+        )
+
+
+def keep_modules(model: nn.Module, names: list[str]) -> nn.Module:
+    """Removes from `model` (in place) every top-level part and layer not named in `names`."""
+    for layer in list(model.layers):
+        if f"layers.{layer}" not in names:
+            del model.layers[layer]
+    for part in ("tok_embeddings", "norm", "output"):
+        if part not in names:
+            setattr(model, part, None)
+    return model
+
+
+def build_schedule(schedule: str, stages: list[nn.Module], ids: list[int], n_stages: int, pp_group, device,
+                   n_microbatches: int, loss_fn):
+    pipeline_stages = [
+        PipelineStage(module, stage_index, n_stages, device, group=pp_group) for module, stage_index in zip(stages, ids)
+    ]
+    # No scaling by the schedule: it divides all of .grad at the end of each step(), which also
+    # shrinks the gradients of earlier accumulation steps again; `loss_fn` carries the whole scale.
+    stage_arg = pipeline_stages[0] if schedule in SINGLE_STAGE else pipeline_stages
+    return SCHEDULES[schedule](stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
