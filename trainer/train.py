@@ -84,52 +84,15 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
         output_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
 
-    # Built on meta, sharded, then allocated and initialised shard by shard.
-    param_dtype = t.mixed_precision.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    parallelize = partial(
-        PARALLELIZE[job.model.family], dims=dims, param_dtype=DTYPES[param_dtype],
-        reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
-        compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
-    )
-    loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
-    pp_rank = dims.view("pp").get_local_rank()
-    ids = stage_ids(pp_rank, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
-    n_stages = dims.pp * dims.pp_stages_per_rank
-    stage_modules = job.parallel.pp_stage_modules or split_modules(
-        job.model.n_layers, n_stages, job.parallel.pp_embedding_cost, job.parallel.pp_output_cost
-    )
-    parts = []
-    for stage in ids:
-        part = build_model(job.model, device="meta")
-        if dims.pp_enabled:
-            keep_modules(part, stage_modules[stage])
-        parallelize(part)
-        materialize(part, device)
-        init_weights(part, t.seed)
-        parts.append(part)
+    parts, stages = build_model_parts(job, dims, device)
     model = nn.ModuleList(parts)
     held = [_local(p) for p in model.parameters()]
     param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
         print(describe_layout(dims, total, sum(p.numel() for p in held), param_mib), flush=True)
-
-    if dims.pp_enabled:
-        def loss_fn(logits, labels):
-            # Each microbatch's share of the step's mean loss, so gradients sum to the mean's.
-            return cross_entropy(logits, labels) / (t.grad_accum_steps * dims.pp_microbatches)
-
-        schedule = build_schedule(job.parallel.pp_schedule, parts, ids, n_stages, dims.view("pp").get_group(),
-                                  device, dims.pp_microbatches, loss_fn)
-        first, last = 0 in ids, n_stages - 1 in ids
-
-        def step_fn(microbatches):
-            return pipeline_step(schedule, microbatches, device, loss_parallel, first, last)
-    else:
-        def step_fn(microbatches):
-            return train_step(parts[0], microbatches, device, loss_parallel)
+    loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
+    step_fn = make_step_fn(job, dims, device, parts, stages, loss_parallel)
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
@@ -178,6 +141,53 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     logger.close()
 
 
+def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) -> tuple[list[nn.Module], list[int]]:
+    """This rank's model: the whole model, or its pipeline stages, each built on meta, parallelized,
+    then allocated and initialised shard by shard. Returns the parts and their stage indices."""
+    t = job.training
+    param_dtype = t.mixed_precision.param_dtype
+    if param_dtype == "auto":
+        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    parallelize = partial(
+        PARALLELIZE[job.model.family], dims=dims, param_dtype=DTYPES[param_dtype],
+        reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
+        compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
+    )
+    stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
+    stage_modules = job.parallel.pp_stage_modules or split_modules(
+        job.model.n_layers, dims.pp * dims.pp_stages_per_rank, job.parallel.pp_embedding_cost,
+        job.parallel.pp_output_cost,
+    )
+    parts = []
+    for stage in stages:
+        part = build_model(job.model, device="meta")
+        if dims.pp_enabled:
+            keep_modules(part, stage_modules[stage])
+        parallelize(part)
+        materialize(part, device)
+        init_weights(part, t.seed)
+        parts.append(part)
+    return parts, stages
+
+
+def make_step_fn(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
+                 stages: list[int], loss_parallel: bool):
+    """The forward-and-backward of one optimizer step: microbatches -> this rank's mean loss."""
+    if not dims.pp_enabled:
+        return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel)
+    accum, n_microbatches = job.training.grad_accum_steps, dims.pp_microbatches
+
+    def loss_fn(logits, labels):
+        # Each microbatch's share of the step's mean loss, so gradients sum to the mean's.
+        return cross_entropy(logits, labels) / (accum * n_microbatches)
+
+    n_stages = dims.pp * dims.pp_stages_per_rank
+    schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, dims.view("pp").get_group(), device,
+                              n_microbatches, loss_fn)
+    return partial(pipeline_step, schedule, device=device, loss_parallel=loss_parallel, first=0 in stages,
+                   last=n_stages - 1 in stages)
+
+
 def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
     """One line on what the job is split into and how much of its model (its stages, under pipeline
     parallel) rank 0 holds."""
@@ -187,7 +197,7 @@ def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) 
             f"({held_mib:.1f} MiB, 1/{total / held:.2f})")
 
 
-def train_step(model, microbatches: list, device: torch.device, loss_parallel: bool) -> torch.Tensor:
+def train_step(model, microbatches: list, *, device: torch.device, loss_parallel: bool) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns their mean loss."""
     total = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(microbatches):
@@ -200,7 +210,7 @@ def train_step(model, microbatches: list, device: torch.device, loss_parallel: b
     return total
 
 
-def pipeline_step(schedule, microbatches: list, device: torch.device, loss_parallel: bool, first: bool,
+def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_parallel: bool, first: bool,
                   last: bool) -> torch.Tensor:
     """One schedule run per accumulation chunk; the schedule splits it into pipeline microbatches
     and (on the last stage) records each one's already scaled loss, so they sum to the mean."""
