@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.errors import ConfigError
-from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES, SINGLE_STAGE, V_SHAPED, check_stage_modules, stages_per_rank
+from trainer.parallel.pipeline import (
+    SCHEDULES as PP_SCHEDULES,
+    SINGLE_STAGE,
+    V_SHAPED,
+    check_stage_modules,
+    min_microbatches,
+    stages_per_rank,
+)
 
 # Outermost first: tp is innermost so its ranks are neighbours (inside one node).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -90,10 +97,11 @@ class ParallelDims:
                     f"parallel.pp_microbatches={dims.pp_microbatches} must divide the batch each pipeline step runs, "
                     f"global_batch_size/(dp*grad_accum_steps)={batch}"
                 )
-            if parallel.pp_schedule not in SINGLE_STAGE and dims.pp_microbatches < dims.pp:
+            minimum = min_microbatches(parallel.pp_schedule, dims.pp, n_stages)
+            if dims.pp_microbatches < minimum:
                 raise ConfigError(
-                    f"parallel.pp_microbatches={dims.pp_microbatches} must be >= parallel.pp={dims.pp} "
-                    f"for parallel.pp_schedule={parallel.pp_schedule}"
+                    f"parallel.pp_microbatches={dims.pp_microbatches} must be >= {minimum} for "
+                    f"parallel.pp_schedule={parallel.pp_schedule} with {n_stages} stages on parallel.pp={dims.pp} ranks"
                 )
         return dims
 

@@ -39,6 +39,15 @@ def stages_per_rank(schedule: str, configured: int | None) -> int:
     return 1 if schedule in SINGLE_STAGE else 2
 
 
+def min_microbatches(schedule: str, pp: int, n_stages: int) -> int:
+    """The fewest microbatches torch 2.13's schedule accepts (found by running each)."""
+    if schedule == "gpipe":
+        return 1
+    if schedule in ("1f1b", "dualpipev"):
+        return n_stages
+    return pp
+
+
 def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
     """The stages a rank runs: looped (r, r+pp, ...) or, for V-shaped schedules, (r, 2*pp-1-r)."""
     if schedule in V_SHAPED:
