@@ -194,10 +194,9 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
         if model.tie_embeddings:
             raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
                               f"are split on different dimensions")
-    # Honest refusals until each parallelism lands (tracked as issues 5-6).
-    for key, value in (("cp", cp),):
-        if value > 1:
-            raise ConfigError(f"parallel.{key}={value} is not supported yet by this version of the trainer")
+    # Refused until context parallel lands (issue 5).
+    if cp > 1:
+        raise ConfigError(f"parallel.cp={cp} is not supported yet by this version of the trainer")
 
 
 def _check_pipeline_rules(pp: int, parallel, model) -> None:
