@@ -39,6 +39,7 @@ LAYOUTS = {
     "tp2_no_sp_no_lp": (2, ["+recipe=llama_tp2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"]),
     **{f"pp2_{s}": (2, ["+recipe=llama_fsdp", "parallel.pp=2", f"parallel.pp_schedule={s}"]) for s in PP_SCHEDULES},
     "pp2_fsdp2": (4, ["+recipe=llama_fsdp", "parallel.pp=2"]),
+    "pp2_hsdp2x1": (4, ["+recipe=llama_hsdp", "parallel.pp=2"]),
     "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
     "pp2_accum2": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2"]),
     "pp2_interleaved_recipe": (2, ["+recipe=llama_pp_interleaved"]),
