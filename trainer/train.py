@@ -99,7 +99,6 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     dp_rank = dims.view("dp").get_local_rank()
     loader = BatchLoader(dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
     val_loader = BatchLoader(val_dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
-    loss_group = dims.view("dp_cp").get_group()
 
     logger = MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config)
     peak = peak_tflops(device, job.metrics.peak_tflops)
@@ -117,10 +116,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
 
         validate = job.validation.every > 0 and step % job.validation.every == 0
         if step % job.metrics.log_every == 0 or step == t.steps or validate:
-            loss = _mean(loss, loss_group)
-            if dims.pp_enabled:
-                # Only the last stage computed a loss; the other stages contribute zero.
-                loss = _mean(torch.tensor(loss, device=device), dims.view("pp").get_group()) * dims.pp
+            loss = job_loss(loss, dims)
             now = time.perf_counter()
             tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
             record = {
@@ -135,7 +131,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 "elapsed_s": now - start,
             }
             if validate:
-                record["val_loss"] = evaluate(parts[0], val_loader, job.validation.steps, device, loss_group, loss_parallel)
+                record["val_loss"] = evaluate(parts[0], val_loader, job.validation.steps, device, dims, loss_parallel)
             logger.log(record)
             last_step, last_time = step, time.perf_counter()
     logger.close()
@@ -154,10 +150,11 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
         compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
     )
     stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
-    stage_modules = job.parallel.pp_stage_modules or split_modules(
-        job.model.n_layers, dims.pp * dims.pp_stages_per_rank, job.parallel.pp_embedding_cost,
-        job.parallel.pp_output_cost,
-    )
+    if dims.pp_enabled:
+        stage_modules = job.parallel.pp_stage_modules or split_modules(
+            job.model.n_layers, dims.pp * dims.pp_stages_per_rank, job.parallel.pp_embedding_cost,
+            job.parallel.pp_output_cost,
+        )
     parts = []
     for stage in stages:
         part = build_model(job.model, device="meta")
@@ -230,7 +227,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, group, loss_parallel: bool) -> float:
+def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, dims: ParallelDims,
+             loss_parallel: bool) -> float:
     total = torch.zeros((), device=device)
     for step in range(steps):
         batches = loader.microbatches(step)
@@ -238,7 +236,7 @@ def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, group
             with loss_parallel_context(loss_parallel):
                 loss = cross_entropy(model(inputs.to(device)), labels.to(device))
             total += _local(loss) / (len(batches) * steps)
-    return _mean(total, group)
+    return job_loss(total, dims)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -246,8 +244,12 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _mean(value: torch.Tensor, group) -> float:
-    """The mean of a per-rank scalar over the ranks of `group`."""
-    value = value.detach().clone()
-    dist.all_reduce(value, group=group)
-    return value.item() / dist.get_world_size(group)
+def job_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
+    """The whole job's mean loss from each rank's: averaged over the data-parallel (and context-
+    parallel) ranks, summed over pipeline stages, of which only the last holds a loss."""
+    value = loss.detach().clone()
+    dp_cp = dims.view("dp_cp")
+    dist.all_reduce(value, group=dp_cp.get_group())
+    if dims.pp_enabled:
+        dist.all_reduce(value, group=dims.view("pp").get_group())
+    return value.item() / dp_cp.size()

@@ -36,7 +36,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
                 _replicate(module, tp_mesh)
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "norm": SequenceParallel(),
         "output": ColwiseParallel(
             input_layouts=between,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -44,9 +43,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             use_local_output=not loss_parallel,
         ),
     }
-    # A pipeline stage may lack the embedding or the head; without SP the norm stays replicated.
-    present = [name for name in plan if getattr(model, name) is not None and (name != "norm" or sequence_parallel)]
-    parallelize_module(model, tp_mesh, {name: plan[name] for name in present})
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    # A pipeline stage may lack the embedding, the norm or the head.
+    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None})
     for block in model.layers.values():
         plan = {
             "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
