@@ -13,6 +13,7 @@ from trainer import build_model
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from trainer.train import cross_entropy
 
@@ -44,6 +45,11 @@ LAYOUTS = {
     "pp2_accum2": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2"]),
     "pp2_interleaved_recipe": (2, ["+recipe=llama_pp_interleaved"]),
     "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
+    **{f"cp2_{m}": (2, ["+recipe=llama_cp2", f"parallel.cp_method={m}"]) for m in CP_METHODS},
+    **{f"cp2_fsdp2_{m}": (4, ["+recipe=llama_cp2", f"parallel.cp_method={m}"]) for m in CP_METHODS},
+    **{f"cp2_tp2_{m}": (4, ["+recipe=llama_cp2", "parallel.tp=2", f"parallel.cp_method={m}"]) for m in CP_METHODS},
+    "cp2_hsdp2x1": (4, ["+recipe=llama_cp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    "cp2_pp2": (4, ["+recipe=llama_cp2", "parallel.pp=2"]),
 }
 
 

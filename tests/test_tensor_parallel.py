@@ -18,7 +18,7 @@ def _tp2_fsdp2(rank, world_size, loss_parallel):
     dims.build_mesh("cpu")
     model = build_model("llama_debug", device="meta")
     parallelize_llama(model, dims, param_dtype=torch.float32, reduce_dtype=torch.float32, activation_checkpoint="none",
-                      compile=False, sequence_parallel=True, loss_parallel=loss_parallel)
+                      compile=False, sequence_parallel=True, loss_parallel=loss_parallel, cp_method="ring")
     materialize(model, "cpu")
     init_weights(model, seed=0)
 

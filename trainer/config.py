@@ -58,6 +58,7 @@ class ParallelConfig:
     # An explicit split overriding the balanced one: module names per stage, e.g.
     # [[tok_embeddings, layers.0, ...], [..., layers.7, norm, output]].
     pp_stage_modules: Optional[List[List[str]]] = None
+    # How attention spans the cp ranks: ring (K/V passed around, O(seq/cp) memory) | allgather.
     cp_method: str = "ring"
     sequence_parallel: bool = True
     loss_parallel: bool = True

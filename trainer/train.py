@@ -21,6 +21,7 @@ from trainer.metrics import MetricsLogger, flops_per_token, peak_memory_gib, pea
 from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel import PARALLELIZE
+from trainer.parallel.context_parallel import shard_batch
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import build_schedule, keep_modules, split_modules, stage_ids
 from trainer.parallel.tensor_parallel import loss_parallel_context
@@ -96,9 +97,13 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
-    dp_rank = dims.view("dp").get_local_rank()
+    dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
     loader = BatchLoader(dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
     val_loader = BatchLoader(val_dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
+
+    def microbatches(loader: BatchLoader, step: int) -> list[tuple[torch.Tensor, ...]]:
+        # The ranks of a cp group read the same sequences; each keeps its share of them.
+        return [shard_batch(inputs, labels, cp_rank, dims.cp) for inputs, labels in loader.microbatches(step)]
 
     logger = MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config)
     peak = peak_tflops(device, job.metrics.peak_tflops)
@@ -107,7 +112,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     start = last_time = time.perf_counter()
     last_step = 0
     for step in range(1, t.steps + 1):
-        loss = step_fn(loader.microbatches(step - 1))
+        loss = step_fn(microbatches(loader, step - 1))
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -131,7 +136,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 "elapsed_s": now - start,
             }
             if validate:
-                record["val_loss"] = evaluate(parts[0], val_loader, job.validation.steps, device, dims, loss_parallel)
+                val_batches = partial(microbatches, val_loader)
+                record["val_loss"] = evaluate(parts[0], val_batches, job.validation.steps, device, dims, loss_parallel)
             logger.log(record)
             last_step, last_time = step, time.perf_counter()
     logger.close()
@@ -148,6 +154,7 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
         PARALLELIZE[job.model.family], dims=dims, param_dtype=DTYPES[param_dtype],
         reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
         compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
+        cp_method=job.parallel.cp_method,
     )
     stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
     if dims.pp_enabled:
@@ -197,11 +204,12 @@ def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) 
 def train_step(model, microbatches: list, *, device: torch.device, loss_parallel: bool) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns their mean loss."""
     total = torch.zeros((), device=device)
-    for i, (inputs, labels) in enumerate(microbatches):
+    for i, (inputs, labels, positions) in enumerate(microbatches):
         # Gradients are reduced across data-parallel ranks once, after the last microbatch.
         model.set_requires_gradient_sync(i == len(microbatches) - 1)
         with loss_parallel_context(loss_parallel):
-            loss = cross_entropy(model(inputs.to(device)), labels.to(device)) / len(microbatches)
+            logits = model(inputs.to(device), positions.to(device))
+            loss = cross_entropy(logits, labels.to(device)) / len(microbatches)
             loss.backward()
         total += _local(loss.detach())
     return total
@@ -212,11 +220,13 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_pa
     """One schedule run per accumulation chunk; the schedule splits it into pipeline microbatches
     and (on the last stage) records each one's already scaled loss, so they sum to the mean."""
     total = torch.zeros((), device=device)
-    for inputs, labels in microbatches:
+    for inputs, labels, positions in microbatches:
         losses: list[torch.Tensor] = []
         args = (inputs.to(device),) if first else ()
         with loss_parallel_context(loss_parallel):
-            schedule.step(*args, target=labels.to(device) if last else None, losses=losses)
+            # Every stage's blocks need the positions; the schedule splits them like the inputs.
+            schedule.step(*args, target=labels.to(device) if last else None, losses=losses,
+                          positions=positions.to(device))
         if last:
             total += torch.stack([_local(loss.detach()) for loss in losses]).sum()
     return total
@@ -227,14 +237,14 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, loader: BatchLoader, steps: int, device: torch.device, dims: ParallelDims,
-             loss_parallel: bool) -> float:
+def evaluate(model, microbatches, steps: int, device: torch.device, dims: ParallelDims, loss_parallel: bool) -> float:
+    """The mean loss over the first `steps` steps' batches of `microbatches(step)`."""
     total = torch.zeros((), device=device)
     for step in range(steps):
-        batches = loader.microbatches(step)
-        for inputs, labels in batches:
+        batches = microbatches(step)
+        for inputs, labels, positions in batches:
             with loss_parallel_context(loss_parallel):
-                loss = cross_entropy(model(inputs.to(device)), labels.to(device))
+                loss = cross_entropy(model(inputs.to(device), positions.to(device)), labels.to(device))
             total += _local(loss) / (len(batches) * steps)
     return job_loss(total, dims)
 

@@ -15,19 +15,29 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [batch, seq] -> cos, sin [batch, seq, head_dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions[..., None].float() * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim]."""
+    """x: [batch, seq, heads, head_dim]; cos, sin: [batch, seq, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
     return x * cos + rotated * sin
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(head_dim)) v, each position seeing itself and the ones before.
+    q [batch, heads, seq, head_dim]; k and v may have fewer heads (grouped-query attention).
+    Its own module so that a parallelism can swap in another kernel for the same function."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -39,8 +49,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.sdpa = CausalAttention()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Shapes from the projections, not x: under tensor parallel each rank holds its share of
         # the heads, and under sequence parallel x may be a slice that the projections gather.
@@ -48,10 +59,9 @@ class Attention(nn.Module):
         q = q.view(batch, seq, -1, self.head_dim)
         k = k.view(batch, seq, -1, self.head_dim)
         v = v.view(batch, seq, -1, self.head_dim)
-        cos, sin = rope_cos_sin(seq, self.head_dim, self.rope_theta, q.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.sdpa(*(t.transpose(1, 2) for t in (q, k, v)))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -74,8 +84,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = FeedForward(dim, ffn_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -95,11 +105,16 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states in, out, for a stage)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states in, out, for a stage).
+
+        positions [batch, seq]: each token's position for the rotary embedding, 0..seq-1 if None.
+        """
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[:2])
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -1,5 +1,6 @@
 """Applies the parallelisms to a model, in the fixed order of STYLE.md:
-tensor/sequence parallel, activation checkpointing, compile, then FSDP."""
+tensor/sequence parallel (and the context-parallel attention kernel), activation checkpointing,
+compile, then FSDP."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import torch
 from torch import nn
 
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
+from trainer.parallel.context_parallel import apply_cp
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.tensor_parallel import apply_tp
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                      activation_checkpoint: str, compile: bool, sequence_parallel: bool, loss_parallel: bool) -> None:
+                      activation_checkpoint: str, compile: bool, sequence_parallel: bool, loss_parallel: bool,
+                      cp_method: str) -> None:
     blocks = list(model.layers.values())
     if dims.tp_enabled:
         apply_tp(model, dims.view("tp"), sequence_parallel, loss_parallel)
+    if dims.cp_enabled:
+        apply_cp(model, dims.view("cp"), cp_method)
     if activation_checkpoint == "full":
         apply_activation_checkpoint(blocks)
     if compile:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.errors import ConfigError
+from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import (
     SCHEDULES as PP_SCHEDULES,
     SINGLE_STAGE,
@@ -32,6 +33,12 @@ def _flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def _unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    # Nor a public way to split a 1-D view into named dimensions; torch 2.13 deprecates slicing a
+    # flattened view together with a root dimension, which is what HSDP over cp ranks needs.
+    return mesh._unflatten(0, sizes, names)
+
+
 @dataclass
 class ParallelDims:
     dp_replicate: int
@@ -46,6 +53,7 @@ class ParallelDims:
     pp_microbatches: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
+    _hsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, parallel, model, training, world_size: int) -> ParallelDims:
@@ -148,6 +156,10 @@ class ParallelDims:
         self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
         # torch wants flattened views kept by whoever made them, not sliced again from the root.
         self._views = {name: _flatten(self._mesh[dims], name) for name, dims in FLAT_VIEWS.items()}
+        if self.dp_replicate_enabled:
+            # HSDP shards over dp_shard x cp within each replica: dp_cp split into (replicas, shards).
+            shape = (self.dp_replicate, self.dp_shard * self.cp)
+            self._hsdp_mesh = _unflatten(self._views["dp_cp"], shape, ("dp_replicate", "dp_shard_cp"))
         return self._mesh
 
     def view(self, name: str) -> DeviceMesh:
@@ -159,9 +171,7 @@ class ParallelDims:
         """The mesh FSDP shards over: 1-D over dp_shard x cp, or 2-D (replicate, shard) for HSDP."""
         if not self.dp_replicate_enabled:
             return self.view("dp_shard_cp")
-        if self.cp_enabled:
-            raise NotImplementedError("HSDP with context parallel needs a (dp_replicate, dp_shard_cp) mesh")
-        return self.mesh["dp_replicate", "dp_shard"]
+        return self._hsdp_mesh
 
 
 def _check_model_rules(degrees: dict, parallel, model, training) -> None:
@@ -175,8 +185,13 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
         raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
     if pp > 1:
         _check_pipeline_rules(pp, parallel, model)
-    if training.seq_len % cp:
-        raise ConfigError(f"parallel.cp={cp} must divide training.seq_len={training.seq_len}")
+    if cp > 1:
+        if parallel.cp_method not in CP_METHODS:
+            raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of {list(CP_METHODS)}")
+        # Each cp rank holds two chunks of the sequence (load balancing, see context_parallel.py).
+        if training.seq_len % (2 * cp):
+            raise ConfigError(f"parallel.cp={cp} needs training.seq_len={training.seq_len} divisible by 2*cp={2 * cp}: "
+                              f"each cp rank holds two equal chunks of the sequence")
     if training.seq_len > model.max_seq_len:
         raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len}")
     if training.grad_accum_steps < 1:
@@ -186,17 +201,16 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
             raise ConfigError(
                 f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} when parallel.loss_parallel=true"
             )
-        if parallel.sequence_parallel and training.seq_len % (tp * cp):
+        shards = tp * (2 * cp if cp > 1 else 1)
+        if parallel.sequence_parallel and training.seq_len % shards:
+            with_cp = f" x 2*cp={2 * cp}" if cp > 1 else ""
             raise ConfigError(
-                f"parallel.tp={tp} (times parallel.cp={cp}) must divide training.seq_len={training.seq_len} "
+                f"parallel.tp={tp}{with_cp} must divide training.seq_len={training.seq_len} "
                 f"when parallel.sequence_parallel=true"
             )
         if model.tie_embeddings:
             raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
                               f"are split on different dimensions")
-    # Refused until context parallel lands (issue 5).
-    if cp > 1:
-        raise ConfigError(f"parallel.cp={cp} is not supported yet by this version of the trainer")
 
 
 def _check_pipeline_rules(pp: int, parallel, model) -> None:

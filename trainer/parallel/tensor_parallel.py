@@ -49,7 +49,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     parallelize_module(model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None})
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            # The second input, the positions, is the same on every tp rank and stays a plain tensor.
+            "attention": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

@@ -1,0 +1,47 @@
+"""Context-parallel attention: each method, on 2 and 4 gloo ranks, is full causal attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import spawn
+from torch.distributed.device_mesh import init_device_mesh
+
+from trainer.parallel.context_parallel import METHODS, ContextParallelAttention, shard_sequence
+
+
+def test_shard_sequence_gives_each_rank_an_early_and_a_late_chunk():
+    x = torch.arange(8)[None]
+    assert [shard_sequence(x, r, 2).tolist() for r in range(2)] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
+    assert [shard_sequence(x, r, 4).tolist() for r in range(4)] == [[[0, 7]], [[1, 6]], [[2, 5]], [[3, 4]]]
+    assert torch.equal(shard_sequence(x, 0, 1), x)
+
+
+def _matches_full_attention(rank, cp, method):
+    attention = ContextParallelAttention(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), method)
+    for seq in (2 * cp, 16 * cp, 14 * cp):
+        for kv_heads in (4, 2, 1):  # multi-head, grouped-query, multi-query
+            g = torch.Generator().manual_seed(seq + kv_heads)
+            q = torch.randn(2, 4, seq, 8, generator=g, requires_grad=True)
+            k = torch.randn(2, kv_heads, seq, 8, generator=g, requires_grad=True)
+            v = torch.randn(2, kv_heads, seq, 8, generator=g, requires_grad=True)
+            grad_out = torch.randn(2, 4, seq, 8, generator=g)
+            expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != 4)
+            expected.backward(grad_out)
+
+            def local(x):
+                return shard_sequence(x.detach(), rank, cp, dim=2)
+
+            q_local, k_local, v_local = (local(x).requires_grad_() for x in (q, k, v))
+            out = attention(q_local, k_local, v_local)
+            out.backward(local(grad_out))
+            where = f"{method} cp={cp} seq={seq} kv_heads={kv_heads} rank={rank}"
+            torch.testing.assert_close(out, local(expected), rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+            for name, mine, full in (("q", q_local, q), ("k", k_local, k), ("v", v_local, v)):
+                torch.testing.assert_close(mine.grad, local(full.grad), rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{where} d{name}: {m}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_attention_and_its_gradients_equal_full_attention(method, cp):
+    spawn(_matches_full_attention, cp, method)
