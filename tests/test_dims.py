@@ -20,6 +20,8 @@ def dims_for(world: int, **parallel) -> ParallelDims:
 def test_rules_that_only_bind_with_the_feature_on():
     dims_for(4, tp=2, loss_parallel=False, model__vocab_size=2049)
     dims_for(4, tp=4, sequence_parallel=False, training__seq_len=130)
+    dims_for(4, cp=1, cp_method="flash", training__seq_len=130)
+    dims_for(4, cp=2, tp=2, sequence_parallel=False, training__seq_len=132)
 
 
 def test_pipeline_degrees_are_derived_from_the_schedule():
@@ -48,12 +50,15 @@ def test_dp_shard_takes_the_rest():
         (4, {"tp": 2, "model__ffn_dim": 769}, r"parallel.tp=2 must divide model.ffn_dim=769"),
         (4, {"pp": 9}, r"parallel.pp=9 must not exceed model.n_layers=8"),
         (4, {"pp_schedule": "zigzag"}, r"parallel.pp_schedule=zigzag is unknown"),
-        (4, {"cp": 3}, r"parallel.cp=3 must divide training.seq_len=128"),
+        (4, {"cp": 3}, r"parallel.cp=3 needs training.seq_len=128 divisible by 2\*cp=6"),
+        (4, {"cp": 2, "training__seq_len": 130}, r"parallel.cp=2 needs training.seq_len=130 divisible by 2\*cp=4"),
+        (4, {"cp": 2, "cp_method": "flash"}, r"parallel.cp_method=flash is unknown; choose one of \['ring', 'allgather'\]"),
+        (4, {"cp": 2, "tp": 2, "training__seq_len": 132}, r"parallel.tp=2 x 2\*cp=4 must divide training.seq_len=132 when parallel.sequence_parallel=true"),
         (4, {"training__seq_len": 4096}, r"training.seq_len=4096 must not exceed model.max_seq_len=2048"),
         (4, {"training__global_batch_size": 6}, r"training.global_batch_size=6 must be divisible by dp\*grad_accum_steps=4"),
         (2, {"training__grad_accum_steps": 3}, r"training.global_batch_size=8 must be divisible by dp\*grad_accum_steps=6"),
         (4, {"tp": 2, "model__vocab_size": 2049}, r"parallel.tp=2 must divide model.vocab_size=2049 when parallel.loss_parallel=true"),
-        (4, {"tp": 4, "training__seq_len": 130}, r"parallel.tp=4 \(times parallel.cp=1\) must divide training.seq_len=130 when parallel.sequence_parallel=true"),
+        (4, {"tp": 4, "training__seq_len": 130}, r"parallel.tp=4 must divide training.seq_len=130 when parallel.sequence_parallel=true"),
         (4, {"tp": 2, "model__tie_embeddings": True}, r"parallel.tp=2 needs model.tie_embeddings=false"),
         (2, {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 3}, r"parallel.pp_stages_per_rank=3 must be 2 for parallel.pp_schedule=zbv"),
         (2, {"pp": 2, "pp_schedule": "gpipe", "pp_stages_per_rank": 2}, r"parallel.pp_stages_per_rank=2 must be 1 for parallel.pp_schedule=gpipe"),
@@ -92,9 +97,10 @@ def _check_meshes(rank, world_size):
         assert dims.view("dp").mesh.tolist() == [
             rank - (coords["dp_replicate"] * shard + coords["dp_shard"]) * stride + i * stride for i in range(rep * shard)
         ]
-        fsdp = dims.fsdp_mesh if cp == 1 or rep == 1 else None
-        if fsdp is not None:
-            assert fsdp.ndim == (2 if rep > 1 else 1)
+        # FSDP shards over dp_shard x cp; HSDP adds the replicas as an outer dimension.
+        fsdp = dims.fsdp_mesh
+        assert fsdp.shape == ((rep, shard * cp) if rep > 1 else (shard * cp,))
+        assert fsdp.mesh_dim_names[-1] == "dp_shard_cp"
 
 
 def test_mesh_dims_and_views_on_eight_ranks():

@@ -34,6 +34,16 @@ def test_attention_is_causal():
     assert not torch.allclose(model(tokens)[0, 8:], model(changed)[0, 8:])
 
 
+def test_positions_feed_the_rotary_embedding():
+    model = build_model(TINY)
+    tokens = torch.randint(0, 300, (2, 12))
+    positions = torch.arange(12).expand(2, 12)
+    torch.testing.assert_close(model(tokens, positions), model(tokens))
+    # Rotary attention sees only relative positions: a shift changes nothing, a reorder does.
+    torch.testing.assert_close(model(tokens, positions + 100), model(tokens), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(model(tokens, positions.flip(1)), model(tokens), atol=1e-3)
+
+
 def test_grouped_query_attention_equals_repeated_kv_heads():
     """GQA with 2 kv heads is multi-head attention whose k/v weights repeat each head."""
     gqa = build_model(TINY)
