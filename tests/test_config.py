@@ -42,6 +42,18 @@ def test_every_recipe_composes():
         OmegaConf.to_object(composed(f"+recipe={path.stem}"))
 
 
+# SPEC §3's rank counts: each recipe, with its real model size, is a valid layout there.
+RECIPE_WORLDS = {"llama_fsdp": 8, "llama_hsdp": 8, "llama_tp2": 4, "llama_tp2_pp4": 8, "llama_pp_interleaved": 4,
+                 "llama_cp2": 4, "llama_4d": 16}
+
+
+@pytest.mark.parametrize("recipe", RECIPE_WORLDS)
+def test_recipe_is_a_valid_layout_at_its_world_size(recipe):
+    from trainer.train import check_job
+
+    check_job(OmegaConf.to_object(composed(f"+recipe={recipe}")), world=RECIPE_WORLDS[recipe])
+
+
 def test_misspelt_key_and_wrong_type_fail_naming_the_key():
     with pytest.raises(Exception, match="stepz"):
         composed("training.stepz=3")
