@@ -112,106 +112,127 @@ class _AllGather(torch.autograd.Function):
 class _RingAttention(torch.autograd.Function):
     """At ring step i this rank holds the K/V block of rank (rank - i) % cp. With the load-balanced
     layout each step's work is one of three shapes (see `_block_rows_cols`), none of them wasted
-    on fully masked pairs. Scores are computed in fp32."""
+    on fully masked pairs. Partial outputs are merged in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        groups = q.shape[1] // k.shape[1]
-        qg = _group_heads(q, groups)
         kv = torch.stack([k, v])
         out, lse = None, None
         for step in range(cp):
             pending = _pass_on(kv, group) if step < cp - 1 else None
-            rows, cols, mask = _block_rows_cols(rank, (rank - step) % cp, q.shape[2], q.device)
-            block_out, block_lse = _attend(qg[..., rows, :], kv[0][:, :, None, cols], kv[1][:, :, None, cols], mask)
+            rows, cols, causal = _block_rows_cols(rank, (rank - step) % cp, q.shape[2])
+            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal)
             if out is None:
-                out, lse = block_out, block_lse
+                out, lse = block_out.float(), block_lse
             else:
-                _merge(out, lse, block_out, block_lse, rows)
+                _merge(out, lse, block_out.float(), block_lse, rows)
             if pending is not None:
                 kv = pending()
+        out = out.to(q.dtype)
         ctx.group = group
         ctx.save_for_backward(q, k, v, out, lse)
-        return _ungroup_heads(out).to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        groups = q.shape[1] // k.shape[1]
-        qg, dout = _group_heads(q, groups), _group_heads(grad_out, groups).float()
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(qg, dtype=torch.float32)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
         # The gradient of the block this rank holds travels with it, so that after the last step
         # each block's dK/dV, summed over every rank's queries, arrives back at its owner.
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         for step in range(cp):
             pending = _pass_on(kv, group) if step < cp - 1 else None
-            rows, cols, mask = _block_rows_cols(rank, (rank - step) % cp, q.shape[2], q.device)
-            block_dq, block_dk, block_dv = _attend_backward(
-                qg[..., rows, :], kv[0][:, :, None, cols], kv[1][:, :, None, cols], dout[..., rows, :],
-                lse[..., rows], delta[..., rows], mask,
+            rows, cols, causal = _block_rows_cols(rank, (rank - step) % cp, q.shape[2])
+            # Each block's gradients follow from the final output and log-sum-exp (flash attention's rule).
+            block_dq, block_dk, block_dv = _block_backward(
+                grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                lse[:, :, rows], causal,
             )
-            dq[..., rows, :] += block_dq
+            dq[:, :, rows] += block_dq
             dkv[0][:, :, cols] += block_dk
             dkv[1][:, :, cols] += block_dv
             dkv = _pass_on(dkv, group)()
             if pending is not None:
                 kv = pending()
-        return _ungroup_heads(dq).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def _block_rows_cols(rank: int, source: int, seq: int, device):
-    """Which local query rows attend to which columns of `source`'s K/V block, and the mask.
+def _block_rows_cols(rank: int, source: int, seq: int) -> tuple[slice, slice, bool]:
+    """Which local query rows attend to which columns of `source`'s K/V block, and whether causally.
 
-    Rank r holds chunks (r, 2cp-1-r). Its own block is causal within. A block from an earlier
-    rank s < r: every query sees chunk s, none sees the late chunk 2cp-1-s. A block from a later
-    rank s > r: the early query chunk r sees none of it, the late one sees all of it.
+    Rank r holds chunks (r, 2cp-1-r). Its own block is causal within (local order is global order).
+    A block from an earlier rank s < r: every query sees chunk s, none sees the late chunk 2cp-1-s.
+    A block from a later rank s > r: the early query chunk r sees none of it, the late one all of it.
     """
     half = seq // 2
     if source == rank:
-        local = torch.arange(seq, device=device)
-        # Local order is global order within this rank (the early chunk, then the late one).
-        return slice(None), slice(None), local[:, None] >= local[None, :]
+        return slice(None), slice(None), True
     if source < rank:
-        return slice(None), slice(0, half), None
-    return slice(half, None), slice(None), None
-
-
-def _attend(q, k, v, mask):
-    """q [b, kv_heads, groups, rows, d], k/v [b, kv_heads, 1, cols, d] -> fp32 out, log-sum-exp."""
-    scores = q.float() @ k.float().transpose(-1, -2) * q.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = scores.logsumexp(-1)
-    return (scores - lse[..., None]).exp() @ v.float(), lse
-
-
-def _attend_backward(q, k, v, dout, lse, delta, mask):
-    """The flash-attention backward of one block from the final log-sum-exp and delta = rowsum(dout*out)."""
-    scale = q.shape[-1] ** -0.5
-    q, k, v = q.float(), k.float(), v.float()
-    scores = q @ k.transpose(-1, -2) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = (scores - lse[..., None]).exp()
-    dv = (probs.transpose(-1, -2) @ dout).sum(2)
-    dscores = probs * (dout @ v.transpose(-1, -2) - delta[..., None])
-    dq = dscores @ k * scale
-    dk = (dscores.transpose(-1, -2) @ q).sum(2) * scale
-    return dq, dk, dv
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
 
 
 def _merge(out, lse, block_out, block_lse, rows) -> None:
     """Folds a block's partial softmax output into the running one, for the given query rows."""
-    old_lse = lse[..., rows]
+    old_lse = lse[:, :, rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
-    out[..., rows, :] = (out[..., rows, :] * (old_lse - new_lse).exp()[..., None]
-                         + block_out * (block_lse - new_lse).exp()[..., None])
-    lse[..., rows] = new_lse
+    out[:, :, rows] = (out[:, :, rows] * (old_lse - new_lse).exp()[..., None]
+                       + block_out * (block_lse - new_lse).exp()[..., None])
+    lse[:, :, rows] = new_lse
+
+
+# Devices whose fused attention kernel is used for ring blocks; elsewhere the exact fp32 math below.
+FUSED_DEVICES = {"cpu"}
+
+
+def _block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [b, heads, rows, d] over one K/V block [b, kv_heads, cols, d] (causal only for
+    a square block): the output and its fp32 log-sum-exp [b, heads, rows]."""
+    if q.device.type in FUSED_DEVICES:
+        return _cpu_flash_forward(q, k, v, causal)
+    scores = _scores(_group_heads(q, k), k, causal)
+    lse = scores.logsumexp(-1)
+    out = (scores - lse[..., None]).exp() @ v.float()[:, :, None]
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool):
+    """dq, dk, dv of one block from the final output and log-sum-exp of the whole attention."""
+    if q.device.type in FUSED_DEVICES:
+        return _cpu_flash_backward(dout, q, k, v, out, lse, causal)
+    qg, dout, out, lse = (_group_heads(x, k).float() for x in (q, dout, out, lse))
+    k, v = k.float(), v.float()
+    probs = (_scores(qg, k, causal) - lse[..., None]).exp()
+    dv = (probs.transpose(-1, -2) @ dout).sum(2)
+    delta = (dout * out).sum(-1, keepdim=True)
+    dscores = probs * (dout @ v[:, :, None].transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
+    return (dscores @ k[:, :, None]).flatten(1, 2), (dscores.transpose(-1, -2) @ qg).sum(2), dv
+
+
+def _scores(qg, k, causal: bool) -> torch.Tensor:
+    """Scaled fp32 scores of grouped queries [b, kv_heads, groups, rows, d] against k [b, kv_heads, cols, d]."""
+    scores = qg.float() @ k.float()[:, :, None].transpose(-1, -2) * qg.shape[-1] ** -0.5
+    if causal:
+        rows, cols = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=qg.device).triu(1), float("-inf"))
+    return scores
+
+
+def _cpu_flash_forward(q, k, v, causal: bool):
+    # torch's fused attention returns the log-sum-exp that merging ring blocks needs only through
+    # its private per-device ops; the public scaled_dot_product_attention hides it. This CPU op
+    # takes grouped-query K/V as they are and is ~20x faster than the math above.
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal: bool):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out, lse, 0.0, causal
+    )
 
 
 def _pass_on(x: torch.Tensor, group):
@@ -233,12 +254,6 @@ def _pass_on(x: torch.Tensor, group):
     return wait
 
 
-def _group_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[b, heads, s, d] -> [b, kv_heads, groups, s, d]: query head h uses K/V head h // groups."""
-    b, h, s, d = x.shape
-    return x.view(b, h // groups, groups, s, d)
-
-
-def _ungroup_heads(x: torch.Tensor) -> torch.Tensor:
-    b, kv_heads, groups, s, d = x.shape
-    return x.reshape(b, kv_heads * groups, s, d)
+def _group_heads(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[b, heads, ...] -> [b, kv_heads, groups, ...]: query head h uses K/V head h // groups."""
+    return x.unflatten(1, (k.shape[1], -1))
