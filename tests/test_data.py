@@ -16,25 +16,36 @@ def test_embedded_text_is_deterministic_readable_text():
     assert " is " in text or " the " in text
 
 
-def global_batch(loader_for, dp_size, grad_accum, step):
-    parts = []
+def global_batch(loader_for, dp_size, grad_accum, step, pp_microbatches=1):
+    """The step's sequences in the job's microbatch order: microbatch by microbatch (a pipeline
+    schedule's contiguous pieces included), each over the ranks."""
+    pieces = []
     for rank in range(dp_size):
-        for inputs, labels in loader_for(rank, dp_size, grad_accum).microbatches(step):
+        for inputs, labels in loader_for(rank, dp_size, grad_accum, pp_microbatches).microbatches(step):
             assert torch.equal(inputs[:, 1:], labels[:, :-1])
-            parts.append(inputs)
-    return torch.cat(parts)
+            pieces.append(inputs.chunk(pp_microbatches))
+    # pieces[rank * grad_accum + i][m]: rank's piece m of its microbatch i.
+    return torch.cat([pieces[rank * grad_accum + i][m] for i in range(grad_accum) for m in range(pp_microbatches)
+                      for rank in range(dp_size)])
 
 
 def test_global_batch_does_not_depend_on_the_layout():
     data = EmbeddedText(seq_len=16, seed=0, size=40)
 
-    def loader_for(rank, dp_size, grad_accum):
-        return BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size, grad_accum=grad_accum, seed=1)
+    def loader_for(rank, dp_size, grad_accum, pp_microbatches=1):
+        return BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size, grad_accum=grad_accum, seed=1,
+                           pp_microbatches=pp_microbatches)
 
     for step in (0, 3, 7):  # step 7 crosses into the second epoch
         reference = global_batch(loader_for, 1, 1, step)
         assert reference.shape == (8, 16)
-        for dp_size, grad_accum in ((2, 1), (4, 1), (2, 2), (8, 1)):
+        # The same sequences in the same microbatches: 1 rank with 4 microbatches of 2 ...
+        by_microbatch = global_batch(loader_for, 1, 4, step)
+        assert torch.equal(by_microbatch, reference)
+        # ... is 2 ranks accumulating 2, 2 ranks in a 2-microbatch pipeline, or 2 x 2 of each.
+        for dp_size, grad_accum, pp_microbatches in ((2, 2, 1), (2, 1, 2), (2, 2, 2)):
+            assert torch.equal(global_batch(loader_for, dp_size, grad_accum, step, pp_microbatches), reference)
+        for dp_size, grad_accum in ((2, 1), (4, 1), (8, 1)):
             assert torch.equal(global_batch(loader_for, dp_size, grad_accum, step), reference)
     # Ranks read disjoint sequences, and consecutive steps differ.
     a, b = loader_for(0, 2, 1).microbatches(0)[0][0], loader_for(1, 2, 1).microbatches(0)[0][0]

@@ -103,14 +103,20 @@ class BatchLoader:
     """This rank's share of each global batch, as grad_accum_steps microbatches.
 
     The global batch of step s is positions [s*G, (s+1)*G) of a seeded permutation of the dataset
-    (a new one each epoch). Data-parallel rank r takes the r-th contiguous block of G/dp sequences.
+    (a new one each epoch), cut into grad_accum * pp_microbatches contiguous blocks: the job's
+    microbatches, in order. Each block is split evenly over the data-parallel ranks. So a
+    microbatch of the job holds the same sequences in every layout, which keeps per-microbatch
+    statistics (the MoE load-balancing loss) independent of the layout too. A pipeline schedule
+    cuts each of this rank's microbatches into its pp_microbatches contiguous pieces.
     """
 
-    def __init__(self, dataset: Dataset, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int):
+    def __init__(self, dataset: Dataset, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int,
+                 pp_microbatches: int = 1):
         self.dataset, self.global_batch, self.seed = dataset, global_batch, seed
         self.dp_rank, self.grad_accum = dp_rank, grad_accum
-        self.local_batch = global_batch // dp_size
-        self.micro_batch = self.local_batch // grad_accum
+        self.blocks = grad_accum * pp_microbatches
+        self.share = global_batch // self.blocks // dp_size  # sequences of one block on one rank
+        self.micro_batch = global_batch // dp_size // grad_accum
         self._epoch, self._order = -1, None
 
     def _position(self, position: int) -> int:
@@ -122,6 +128,10 @@ class BatchLoader:
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[(inputs, labels)] for `step` (0-based), each [micro_batch, seq_len]."""
-        start = step * self.global_batch + self.dp_rank * self.local_batch
-        sequences = torch.stack([self.dataset[self._position(start + i)] for i in range(self.local_batch)])
+        block_size = self.global_batch // self.blocks
+        positions = [
+            step * self.global_batch + block * block_size + self.dp_rank * self.share + i
+            for block in range(self.blocks) for i in range(self.share)
+        ]
+        sequences = torch.stack([self.dataset[self._position(p)] for p in positions])
         return [(chunk[:, :-1], chunk[:, 1:]) for chunk in sequences.split(self.micro_batch)]
