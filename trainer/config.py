@@ -37,7 +37,11 @@ class ModelConfig:
     # Mixture of experts (Mixtral); zero experts means a dense model.
     n_experts: int = 0
     top_k: int = 0
-    aux_loss_coef: float = 0.0
+    aux_loss_coef: float = 0.0  # load-balancing loss (Switch/Mixtral form), averaged over layers
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE), averaged over layers
+    # null: dropless. Otherwise each expert takes at most ceil(factor * tokens * top_k / n_experts)
+    # slots per forward on each rank; the overflow is dropped and counted.
+    capacity_factor: Optional[float] = None
 
 
 @dataclass

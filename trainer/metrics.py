@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from trainer.models.moe import MoE
 
 # Dense bf16 peak per device in TFLOP/s, by a substring of torch.cuda.get_device_name().
 CUDA_PEAK_TFLOPS = {
@@ -37,6 +40,52 @@ def flops_per_token(model, seq_len: int) -> float:
         ffn += model.dim * model.n_experts  # router
     matmul_weights = model.n_layers * (attention + ffn) + model.dim * model.vocab_size
     return 6 * matmul_weights + 12 * model.n_layers * model.dim * seq_len
+
+
+class MoEStats:
+    """The MoE layers' routing statistics on this rank, summed over steps until reported."""
+
+    def __init__(self, n_layers: int, n_experts: int, device):
+        self.load = torch.zeros(n_layers, n_experts, device=device)  # slots routed per (layer, expert)
+        self.totals = torch.zeros(2, device=device)  # load-balancing loss, dropped slots
+        self.steps = 0
+
+    def collect(self, parts: list, microbatches: int) -> None:
+        """Takes each layer's records of the step just run: its last `microbatches` ones (a pipeline
+        schedule's first step also runs backward once more, on placeholder data, to infer shapes)."""
+        for part in parts:
+            for index, block in part.layers.items():
+                layer = block.feed_forward
+                if not isinstance(layer, MoE):
+                    continue
+                for routed, balance, dropped in layer.routing_records[-microbatches:]:
+                    self.load[int(index)] += routed
+                    self.totals += torch.stack([balance / microbatches, dropped])
+                layer.routing_records.clear()
+        self.steps += 1
+
+    def report(self, layer_copies: int, token_copies: int) -> dict:
+        """For the whole job since the last report (all-reduces over the world; call on every rank):
+
+        aux_loss: the load-balancing loss, averaged over layers, microbatches and ranks (no coefficient);
+        expert_load_{min,max,mean}: slots routed to one expert of one layer per step, over every
+        (layer, expert); dropped_tokens: slots dropped per step over the capacity (0 when dropless).
+        `layer_copies` ranks hold each layer; `token_copies` ranks route the same tokens.
+        """
+        stats = torch.cat([self.load.flatten(), self.totals])
+        dist.all_reduce(stats)
+        load = stats[:-2] / (token_copies * self.steps)
+        record = {
+            "aux_loss": stats[-2].item() / (layer_copies * len(self.load) * self.steps),
+            "expert_load_min": load.min().item(),
+            "expert_load_max": load.max().item(),
+            "expert_load_mean": load.mean().item(),
+            "dropped_tokens": stats[-1].item() / (token_copies * self.steps),
+        }
+        self.load.zero_()
+        self.totals.zero_()
+        self.steps = 0
+        return record
 
 
 def measure_cpu_tflops(size: int = 1024, seconds: float = 0.5) -> float:
@@ -111,4 +160,6 @@ def format_record(r: dict) -> str:
     ]
     if "val_loss" in r:
         parts.insert(2, f"val_loss {r['val_loss']:.4f}")
+    if "aux_loss" in r:
+        parts.insert(-3, f"aux {r['aux_loss']:.3f} | experts {r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f} tok")
     return " | ".join(parts)

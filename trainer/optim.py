@@ -16,9 +16,11 @@ def build_optimizer(model: nn.Module, optim, lr: float, weight_decay: float) -> 
     if optim.name != "adamw":
         raise ConfigError(f"optim.name={optim.name} is unknown; this version supports 'adamw'")
     # Norm weights and other 1-D parameters are not decayed.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": params, "weight_decay": weight_decay if params[0].ndim >= 2 else 0.0}
+        for decayed in (True, False)
+        for params in by_mesh([p for p in model.parameters() if (p.ndim >= 2) == decayed])
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True)
 
 
@@ -67,5 +69,15 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         dist.all_reduce(squares)
     total = squares.sqrt().float()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        for group in by_mesh(parameters):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
+
+
+def by_mesh(parameters: list) -> list[list]:
+    """Parameters split by the mesh their DTensors live on (expert weights have their own):
+    a foreach op takes DTensors of one mesh only."""
+    groups: dict = {}
+    for p in parameters:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(groups.values())

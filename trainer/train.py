@@ -17,8 +17,9 @@ from trainer.config import JobConfig
 from trainer.data import BatchLoader, ByteTokenizer, build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError
-from trainer.metrics import MetricsLogger, flops_per_token, peak_memory_gib, peak_tflops
+from trainer.metrics import MetricsLogger, flops_per_token, MoEStats, peak_memory_gib, peak_tflops
 from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
+from trainer.models.moe import set_aux_loss_scale
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel import PARALLELIZE
 from trainer.parallel.context_parallel import shard_batch
@@ -33,7 +34,18 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     """Every rule a user can break, checked before any rank joins the process group."""
     if job.model.family not in MODEL_CLASSES:
         raise ConfigError(f"model.family={job.model.family} is unknown; choose one of {sorted(MODEL_CLASSES)}")
+    m = job.model
+    if m.family == "mixtral":
+        if m.n_experts < 1:
+            raise ConfigError(f"model.n_experts={m.n_experts} must be >= 1 for model.family=mixtral")
+        if not 1 <= m.top_k <= m.n_experts:
+            raise ConfigError(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
+        if m.capacity_factor is not None and m.capacity_factor <= 0:
+            raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
     dims = ParallelDims.from_config(job.parallel, job.model, job.training, world)
+    if m.n_experts and dims.tp_enabled:
+        raise ConfigError(f"parallel.tp={dims.tp} is not supported with a mixture-of-experts model yet; use "
+                          f"parallel.ep to split the experts")
     t = job.training
     for key in ("steps", "seq_len", "global_batch_size"):
         if getattr(t, key) < 1:
@@ -98,8 +110,10 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
     dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
-    loader = BatchLoader(dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
-    val_loader = BatchLoader(val_dataset, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed)
+    loader, val_loader = (
+        BatchLoader(data, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed, dims.pp_microbatches)
+        for data in (dataset, val_dataset)
+    )
 
     def microbatches(loader: BatchLoader, step: int) -> list[tuple[torch.Tensor, ...]]:
         # The ranks of a cp group read the same sequences; each keeps its share of them.
@@ -109,10 +123,13 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     peak = peak_tflops(device, job.metrics.peak_tflops)
     flops = flops_per_token(job.model, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
+    moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device) if job.model.n_experts else None
     start = last_time = time.perf_counter()
     last_step = 0
     for step in range(1, t.steps + 1):
         loss = step_fn(microbatches(loader, step - 1))
+        if moe_stats is not None:
+            moe_stats.collect(parts, t.grad_accum_steps * dims.pp_microbatches)
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -135,6 +152,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 "param_mib": param_mib,
                 "elapsed_s": now - start,
             }
+            if moe_stats is not None:
+                record |= moe_stats.report(layer_copies=dims.world_size // dims.pp, token_copies=1)
             if validate:
                 val_batches = partial(microbatches, val_loader)
                 record["val_loss"] = evaluate(parts[0], val_batches, job.validation.steps, device, dims, loss_parallel)
@@ -170,6 +189,8 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
         parallelize(part)
         materialize(part, device)
         init_weights(part, t.seed)
+        # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit.
+        set_aux_loss_scale(part, 1 / (t.grad_accum_steps * dims.pp_microbatches))
         parts.append(part)
     return parts, stages
 

@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from trainer.config import ModelConfig, load_model_config
 from trainer.errors import ConfigError
 from trainer.models.llama import Llama
+from trainer.models.mixtral import Mixtral
 
-MODEL_CLASSES = {"llama": Llama}
+MODEL_CLASSES = {"llama": Llama, "mixtral": Mixtral}
 
 
 def model_config(spec: str | Mapping | ModelConfig) -> ModelConfig:

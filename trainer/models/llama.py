@@ -77,12 +77,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, norm_eps: float, rope_theta: float):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, norm_eps: float, rope_theta: float,
+                 feed_forward: nn.Module):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.feed_forward = FeedForward(dim, ffn_dim)
+        self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), positions)
@@ -96,7 +97,8 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta)
+                str(i): TransformerBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, cfg.rope_theta,
+                                         self.make_feed_forward(cfg))
                 for i in range(cfg.n_layers)
             }
         )
@@ -104,6 +106,9 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+
+    def make_feed_forward(self, cfg) -> nn.Module:
+        return FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states in, out, for a stage).
@@ -126,6 +131,6 @@ class Llama(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2")):
             return 0.02 / math.sqrt(2 * self.n_layers)
         return 0.02

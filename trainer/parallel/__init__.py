@@ -10,6 +10,7 @@ from torch import nn
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from trainer.parallel.context_parallel import apply_cp
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.expert_parallel import apply_ep, share_routing_counts
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.tensor_parallel import apply_tp
 
@@ -22,13 +23,19 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torc
         apply_tp(model, dims.view("tp"), sequence_parallel, loss_parallel)
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), cp_method)
+    if dims.ep_enabled:
+        apply_ep(model, dims.view("ep"))
+    if dims.view("dp_cp").size() > 1:
+        share_routing_counts(model, dims.view("dp_cp"))
     if activation_checkpoint == "full":
         apply_activation_checkpoint(blocks)
     if compile:
         for block in blocks:
             block.compile()
     # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.
-    apply_fsdp(model, blocks, dims.fsdp_mesh, param_dtype, reduce_dtype, pipelined=dims.pp_enabled)
+    apply_fsdp(model, blocks, dims.fsdp_mesh, param_dtype, reduce_dtype, pipelined=dims.pp_enabled,
+               expert_mesh=dims.expert_fsdp_mesh if dims.ep_enabled else None)
 
 
-PARALLELIZE = {"llama": parallelize_llama}
+# Mixtral differs from Llama only in its feed-forward, which expert parallel handles.
+PARALLELIZE = {"llama": parallelize_llama, "mixtral": parallelize_llama}

@@ -54,6 +54,7 @@ class ParallelDims:
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
     _hsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    _expert_fsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, parallel, model, training, world_size: int) -> ParallelDims:
@@ -83,10 +84,7 @@ class ParallelDims:
                 f"(pp={degrees['pp']}, dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']}, "
                 f"cp={degrees['cp']}, tp={degrees['tp']})"
             )
-        if degrees["ep"] == -1:
-            degrees["ep"] = degrees["dp_shard"] * degrees["cp"]
-        if degrees["ep"] > 1:
-            raise ConfigError(f"parallel.ep={degrees['ep']} is not supported yet: expert parallelism comes with MoE")
+        _resolve_ep(degrees, model)
 
         dims = cls(world_size=world_size, **degrees)
         per_step = dims.dp * training.grad_accum_steps
@@ -160,6 +158,12 @@ class ParallelDims:
             # HSDP shards over dp_shard x cp within each replica: dp_cp split into (replicas, shards).
             shape = (self.dp_replicate, self.dp_shard * self.cp)
             self._hsdp_mesh = _unflatten(self._views["dp_cp"], shape, ("dp_replicate", "dp_shard_cp"))
+        # Experts: ep groups of neighbouring dp_shard x cp ranks, FSDP over the ranks outside them.
+        shape = (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep)
+        experts = _unflatten(self._views["dp_cp"], shape, ("dp_replicate", "dp_shard_mod_ep", "ep"))
+        self._views["ep"] = experts["ep"]
+        self._expert_fsdp_mesh = experts["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate_enabled \
+            else experts["dp_shard_mod_ep"]
         return self._mesh
 
     def view(self, name: str) -> DeviceMesh:
@@ -172,6 +176,12 @@ class ParallelDims:
         if not self.dp_replicate_enabled:
             return self.view("dp_shard_cp")
         return self._hsdp_mesh
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards expert weights over under expert parallel: the data-parallel ranks
+        outside an ep group (2-D with the replicas for HSDP)."""
+        return self._expert_fsdp_mesh
 
 
 def _check_model_rules(degrees: dict, parallel, model, training) -> None:
@@ -211,6 +221,20 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
         if model.tie_embeddings:
             raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
                               f"are split on different dimensions")
+
+
+def _resolve_ep(degrees: dict, model) -> None:
+    """ep is taken from the dp_shard x cp ranks; -1 means all of them (1 for a dense model)."""
+    ep, ranks = degrees["ep"], degrees["dp_shard"] * degrees["cp"]
+    if ep == -1:
+        degrees["ep"] = ep = ranks if model.n_experts else 1
+    if ep > 1 and not model.n_experts:
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
+    if model.n_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={model.n_experts}")
+    if ranks % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the ranks it is taken from, dp_shard*cp={ranks} "
+                          f"(dp_shard={degrees['dp_shard']}, cp={degrees['cp']})")
 
 
 def _check_pipeline_rules(pp: int, parallel, model) -> None:

@@ -1,0 +1,120 @@
+"""The MoE layer: routing, the auxiliary losses, capacity, and expert parallel against the local layer."""
+
+import copy
+import math
+
+import pytest
+import torch
+from helpers import spawn
+from torch.distributed.device_mesh import init_device_mesh
+
+from trainer import build_model
+from trainer.models.moe import MoE
+from trainer.parallel.expert_parallel import apply_ep
+
+
+def skewed_layer(**kwargs) -> tuple[MoE, torch.Tensor]:
+    """Four tokens whose router logits are all [3, 2, 0, 0]: every token picks experts 0 and 1."""
+    layer = MoE(dim=4, ffn_dim=8, n_experts=4, top_k=2, **kwargs)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.1)
+        layer.router.weight.zero_()
+        layer.router.weight[:, 0] = torch.tensor([3.0, 2.0, 0.0, 0.0])
+    x = torch.zeros(1, 4, 4)
+    x[..., 0] = 1.0
+    return layer, x
+
+
+def test_load_balancing_loss_equals_the_hand_computed_value():
+    layer, x = skewed_layer(aux_loss_coef=0.1)
+    layer.aux_loss_scale = 0.5  # as with two microbatches per step
+    layer(x).backward(torch.zeros(1, 4, 4))
+    e2, e3 = math.exp(2), math.exp(3)
+    # n_experts * sum_e (share of slots to e) * (mean router probability of e); shares 1, 1, 0, 0.
+    expected = 4 * (e3 + e2) / (e3 + e2 + 2)
+    ((routed, balance, dropped),) = layer.routing_records
+    assert balance.item() == pytest.approx(expected, rel=1e-6)
+    assert routed.tolist() == [4, 4, 0, 0] and dropped.item() == 0
+    # The router's gradient is that of coefficient * scale * the loss (the output's gradient is zero).
+    weight = layer.router.weight.detach().clone().requires_grad_()
+    probs = (x.view(4, 4) @ weight.T).softmax(-1).mean(0)
+    (0.1 * 0.5 * 4 * (torch.tensor([1.0, 1.0, 0.0, 0.0]) * probs).sum()).backward()
+    torch.testing.assert_close(layer.router.weight.grad, weight.grad)
+
+
+def test_capacity_drops_the_overflow_and_counts_it():
+    layer, x = skewed_layer(capacity_factor=1.0)  # ceil(1.0 * 4 tokens * 2 / 4 experts) = 2 slots each
+    out = layer(x)
+    out.sum().backward()
+    ((routed, _, dropped),) = layer.routing_records
+    assert routed.tolist() == [4, 4, 0, 0] and dropped.item() == 4
+    # Experts 0 and 1 take the first two tokens; the last two go nowhere.
+    assert out[0, 2:].abs().max() == 0 and out[0, :2].abs().min() > 0
+
+
+def test_top_k_weights_are_a_softmax_over_the_chosen_logits():
+    layer, x = skewed_layer()
+    out = layer(x)
+    chosen = torch.tensor([3.0, 2.0]).softmax(0)
+    experts = layer.experts
+    h = x.view(4, 4)
+    expected = sum(
+        w * ((torch.nn.functional.silu(h @ experts.w1[e].T) * (h @ experts.w3[e].T)) @ experts.w2[e].T)
+        for w, e in zip(chosen, (0, 1))
+    )
+    torch.testing.assert_close(out.view(4, 4), expected)
+
+
+def test_mixtral_debug_is_a_small_mixtral():
+    model = build_model("mixtral_debug")
+    assert isinstance(model.layers["0"].feed_forward, MoE)
+    assert model(torch.randint(0, 2048, (2, 8))).shape == (2, 8, 2048)
+
+
+# --- expert parallel ----------------------------------------------------------------------------
+
+
+def _ep_matches_local(rank, ep, case):
+    torch.manual_seed(0)  # the same weights and inputs on every rank
+    layer = MoE(dim=16, ffn_dim=24, n_experts=8, top_k=2, aux_loss_coef=0.1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+        xs = torch.randn(ep, 2, 5, 16).abs()  # positive, so a negative router row is never chosen
+        grads = torch.randn(ep, 2, 5, 16)
+        if case == "an_unused_expert":
+            layer.router.weight[3] = -1.0
+        if case == "a_rank_without_tokens":
+            layer.router.weight[8 - 8 // ep:] = -1.0  # the last rank's experts
+    reference = copy.deepcopy(layer)
+    apply_ep(layer, init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)))
+
+    x = xs[rank].clone().requires_grad_()
+    out = layer(x)
+    out.backward(grads[rank])
+
+    # The local layer on each rank's tokens: this rank's output and input gradient, and the expert
+    # gradients averaged over the ranks, as data parallel averages every gradient.
+    for r in range(ep):
+        reference.router.weight.grad = None
+        x_ref = xs[r].clone().requires_grad_()
+        out_ref = reference(x_ref)
+        out_ref.backward(grads[r])
+        if r == rank:
+            torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer.router.weight.grad, reference.router.weight.grad, rtol=1e-5, atol=1e-5)
+    per_rank = 8 // ep
+    for name in ("w1", "w2", "w3"):
+        mine = getattr(layer.experts, name).grad.to_local()
+        full = getattr(reference.experts, name).grad[rank * per_rank:(rank + 1) * per_rank] / ep
+        torch.testing.assert_close(mine, full, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} d{name}: {m}")
+    if case == "a_rank_without_tokens" and rank == ep - 1:
+        assert layer.experts.w1.grad.to_local().abs().max() == 0
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("case", ["routed", "an_unused_expert", "a_rank_without_tokens"])
+def test_expert_parallel_equals_the_local_layer(ep, case):
+    spawn(_ep_matches_local, ep, case)

@@ -1,0 +1,136 @@
+"""A sparse mixture-of-experts feed-forward layer (Mixtral). Plain PyTorch.
+
+A router scores each token against every expert; the token goes to its `top_k` experts, weighted
+by a softmax over the selected scores. Tokens are sorted by expert so that each expert runs once
+on a contiguous slice (`GroupedExperts`): that call, given tokens in expert order and a count per
+expert, is the seam where expert parallelism exchanges tokens between ranks.
+
+Auxiliary losses (the Switch/Mixtral load-balancing loss and an optional router z-loss) never
+appear in the model's output: they are attached to the layer's output so that backward gives them
+the gradient they would have had if added to the training loss, wherever that loss is computed
+(the last pipeline stage, for instance). Routing statistics are recorded in that backward, which
+runs once per microbatch even when activation checkpointing re-runs the forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    """`n_experts` SwiGLU feed-forwards with their weights stacked on a leading expert dimension."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))  # down
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [tokens, dim] sorted by expert, `counts[e]` of them for expert e -> [tokens, dim]."""
+        return expert_swiglu(x, counts, self.w1, self.w2, self.w3)
+
+
+def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU on its contiguous slice of x: one matmul per expert and weight."""
+    out = [
+        (F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T
+        for e, chunk in enumerate(x.split(counts.tolist()))
+    ]
+    return torch.cat(out)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, capacity_factor: float | None = None):
+        super().__init__()
+        self.top_k = top_k
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.capacity_factor = capacity_factor
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(dim, ffn_dim, n_experts)
+        # The auxiliary losses' gradient is scaled like the training loss's: by 1/microbatches when
+        # the trainer averages a step's microbatches (see set_aux_loss_scale).
+        self.aux_loss_scale = 1.0
+        # Slots per expert over the whole batch the load-balancing loss is taken on. Here, this
+        # layer's input; data parallel makes it the batch of every data-parallel rank together.
+        self.batch_counts: Callable[[torch.Tensor], torch.Tensor] = _same
+        # One (slots routed to each expert, load-balancing loss, dropped slots) per backward;
+        # whoever reads them clears the list.
+        self.routing_records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n_tokens, n_experts = x.shape[0], self.router.out_features
+        logits = self.router(x).float()
+        top_logits, chosen = logits.topk(self.top_k, dim=-1)
+        weights = top_logits.softmax(dim=-1).to(x.dtype)
+
+        # Slots: (token, choice) pairs, grouped by expert.
+        slots = chosen.flatten()
+        order = slots.argsort(stable=True)
+        counts = slots.bincount(minlength=n_experts)
+        routed = counts
+        if self.capacity_factor is not None:
+            order, counts = _drop_overflow(order, counts, self.capacity(n_tokens, n_experts))
+        token = order // self.top_k
+        y = self.experts(x[token], counts) * weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add(0, token, y)
+
+        # Switch/Mixtral: n_experts * sum_e (share of slots routed to e) * (mean router probability of e).
+        # The shares are the whole batch's; each rank's mean probability is its share of the batch
+        # mean, which the gradient averaging over ranks completes.
+        share = self.batch_counts(routed.float())
+        balance = n_experts * (share / share.sum() * self.top_k * logits.softmax(dim=-1).mean(0)).sum()
+        aux = self.aux_loss_coef * balance + self.z_loss_coef * logits.logsumexp(dim=-1).square().mean()
+        stats = (routed.detach().float(), balance.detach(), (routed - counts).sum().detach())
+        return _AttachAuxLoss.apply(out, aux, self, stats).view(shape)
+
+    def capacity(self, n_tokens: int, n_experts: int) -> int:
+        """Slots each expert takes per forward when a capacity factor is set."""
+        return math.ceil(self.capacity_factor * n_tokens * self.top_k / n_experts)
+
+
+def _drop_overflow(order: torch.Tensor, counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keeps each expert's first `capacity` slots (in token order)."""
+    starts = counts.cumsum(0) - counts
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    keep = torch.arange(len(order), device=order.device) - starts[expert] < capacity
+    return order[keep], counts.clamp(max=capacity)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the layer's output; backward gives the auxiliary loss the gradient it would get
+    as a term of the training loss, and records the layer's statistics."""
+
+    @staticmethod
+    def forward(ctx, out, aux, layer, stats):
+        ctx.layer, ctx.stats = layer, stats
+        ctx.save_for_backward(aux)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        ctx.layer.routing_records.append(ctx.stats)
+        return grad, torch.full_like(aux, ctx.layer.aux_loss_scale), None, None
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = scale

@@ -1,0 +1,97 @@
+"""Expert parallel: each rank of the ep group holds n_experts/ep of every MoE layer's experts, and
+tokens travel to their experts' ranks and back with all-to-alls (public torch.distributed calls,
+so gloo and NCCL alike).
+
+The MoE layer hands its experts the tokens sorted by expert with a count per expert. Under expert
+parallel that call becomes: exchange the counts (each rank learns how many tokens it receives for
+each of its experts from each peer), send each rank its experts' tokens (variable split sizes,
+dropless), run the local experts on the received tokens regrouped by expert, and send the outputs
+back the same way. Backward runs the two all-to-alls in reverse.
+
+Expert weights are DTensors split on the expert dimension over the ep mesh. FSDP shards them
+further over the data-parallel ranks outside the ep group and averages their gradients over those
+ranks; with the ep group's own share (1/ep, applied in backward) that is the average over every
+data-parallel rank, as for the dense weights.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from trainer.models.moe import expert_swiglu, moe_layers
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    for layer in moe_layers(model):
+        experts = layer.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded))
+        experts.forward = partial(_expert_parallel_forward, experts, ep_mesh.get_group())
+
+
+def share_routing_counts(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """The load-balancing loss counts the slots per expert over every data-parallel rank's tokens,
+    so it is the loss of the whole batch whatever the layout."""
+    group = dp_mesh.get_group()
+    for layer in moe_layers(model):
+        layer.batch_counts = partial(_all_reduce_sum, group=group)
+
+
+def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _expert_parallel_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [tokens, dim] sorted by (global) expert, counts [n_experts] -> the experts' outputs, same order."""
+    ep = dist.get_world_size(group)
+    # An expert's gradient sums the ep group's tokens; FSDP then averages over the ranks outside
+    # the group. Dividing by ep here makes that the average over every data-parallel rank.
+    w1, w2, w3 = (_ScaleGrad.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3))
+    local_experts = w1.shape[0]
+    # received[src, e]: tokens this rank gets from rank src for its local expert e.
+    sent = counts.view(ep, local_experts)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+    tokens = _AllToAll.apply(x, recv_splits, send_splits, group)
+    # Arrived grouped by source rank, then expert; the experts want them grouped by expert.
+    expert_of = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep), received.flatten())
+    order = expert_of.argsort(stable=True)
+    out = expert_swiglu(tokens[order], received.sum(0), w1, w2, w3)[order.argsort()]
+    return _AllToAll.apply(out, send_splits, recv_splits, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes along the first dimension; backward sends the gradients
+    back along the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
