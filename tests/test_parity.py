@@ -73,6 +73,8 @@ MOE_LAYOUTS = {
     "ep4_cp2": (4, ["+recipe=mixtral_ep", "parallel.cp=2"], ()),
     "ep2_accum2": (2, ["+recipe=mixtral_ep", *TWO_MICROBATCHES], TWO_MICROBATCHES),
     "ep2_pp2": (4, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
+    "ep2_tp2": (4, ["+recipe=mixtral_ep2_tp2"], ()),
+    "tp2": (2, ["+recipe=mixtral_ep2_tp2", "parallel.ep=1"], ()),
 }
 
 

@@ -43,9 +43,9 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         if m.capacity_factor is not None and m.capacity_factor <= 0:
             raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
     dims = ParallelDims.from_config(job.parallel, job.model, job.training, world)
-    if m.n_experts and dims.tp_enabled:
-        raise ConfigError(f"parallel.tp={dims.tp} is not supported with a mixture-of-experts model yet; use "
-                          f"parallel.ep to split the experts")
+    if m.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
+        raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true: "
+                          f"each tp rank routes its own slice of the sequence")
     t = job.training
     for key in ("steps", "seq_len", "global_batch_size"):
         if getattr(t, key) < 1:
@@ -190,7 +190,9 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
         materialize(part, device)
         init_weights(part, t.seed)
         # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit.
-        set_aux_loss_scale(part, 1 / (t.grad_accum_steps * dims.pp_microbatches))
+        # Under tensor parallel each tp rank's router sees its slice of the sequence and the
+        # router's gradients are summed over the tp ranks: each slice's loss counts 1/tp.
+        set_aux_loss_scale(part, 1 / (t.grad_accum_steps * dims.pp_microbatches * dims.tp))
         parts.append(part)
     return parts, stages
 

@@ -10,7 +10,7 @@ from torch import nn
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from trainer.parallel.context_parallel import apply_cp
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.expert_parallel import apply_ep, share_routing_counts
+from trainer.parallel.expert_parallel import parallelize_moe
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.tensor_parallel import apply_tp
 
@@ -23,10 +23,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torc
         apply_tp(model, dims.view("tp"), sequence_parallel, loss_parallel)
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), cp_method)
-    if dims.ep_enabled:
-        apply_ep(model, dims.view("ep"))
-    if dims.view("dp_cp").size() > 1:
-        share_routing_counts(model, dims.view("dp_cp"))
+    parallelize_moe(model, dims)
     if activation_checkpoint == "full":
         apply_activation_checkpoint(blocks)
     if compile:

@@ -51,9 +51,11 @@ class ParallelDims:
     # Derived from the schedule and the batch (see pipeline.py); 1 without pipeline parallel.
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 1
+    moe: bool = False  # a mixture-of-experts model: the expert views below exist
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
     _hsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _expert_fsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -86,7 +88,7 @@ class ParallelDims:
             )
         _resolve_ep(degrees, model)
 
-        dims = cls(world_size=world_size, **degrees)
+        dims = cls(world_size=world_size, moe=model.n_experts > 0, **degrees)
         per_step = dims.dp * training.grad_accum_steps
         if training.global_batch_size % per_step:
             raise ConfigError(
@@ -158,16 +160,21 @@ class ParallelDims:
             # HSDP shards over dp_shard x cp within each replica: dp_cp split into (replicas, shards).
             shape = (self.dp_replicate, self.dp_shard * self.cp)
             self._hsdp_mesh = _unflatten(self._views["dp_cp"], shape, ("dp_replicate", "dp_shard_cp"))
-        # Experts: ep groups of neighbouring dp_shard x cp ranks, FSDP over the ranks outside them.
-        shape = (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep)
-        experts = _unflatten(self._views["dp_cp"], shape, ("dp_replicate", "dp_shard_mod_ep", "ep"))
-        self._views["ep"] = experts["ep"]
-        self._expert_fsdp_mesh = experts["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate_enabled \
-            else experts["dp_shard_mod_ep"]
+        if self.moe:
+            # Experts: ep groups of neighbouring dp_shard x cp ranks (one group per tp rank: each tp
+            # rank routes its own slice of the sequence), FSDP over the data-parallel ranks outside.
+            flat = _flatten(self._mesh["dp_replicate", "dp_shard", "cp", "tp"], "dp_cp_tp")
+            shape = (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
+            experts = _unflatten(flat, shape, ("dp_replicate", "dp_shard_mod_ep", "ep", "expert_tp"))
+            self._views |= {"dp_cp_tp": flat, "ep": experts["ep"]}
+            self._expert_mesh = experts["ep", "expert_tp"]
+            self._expert_fsdp_mesh = experts["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate_enabled \
+                else experts["dp_shard_mod_ep"]
         return self._mesh
 
     def view(self, name: str) -> DeviceMesh:
-        """A 1-D submesh: one of MESH_DIMS or one of the flattened FLAT_VIEWS."""
+        """A 1-D submesh: one of MESH_DIMS or one of the flattened FLAT_VIEWS (and, for a
+        mixture-of-experts model, `ep` and `dp_cp_tp`: the ranks that share a microbatch's tokens)."""
         return self._views[name] if name in self._views else self.mesh[name]
 
     @property
@@ -176,6 +183,11 @@ class ParallelDims:
         if not self.dp_replicate_enabled:
             return self.view("dp_shard_cp")
         return self._hsdp_mesh
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The 2-D (ep, tp) mesh expert weights live on: split over ep, replicated over tp."""
+        return self._expert_mesh
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:

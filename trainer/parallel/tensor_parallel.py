@@ -24,6 +24,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trainer.models.moe import MoE
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     # Between the TP regions activations are split on the sequence (SP) or whole on every rank.
@@ -48,6 +50,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
     # A pipeline stage may lack the embedding, the norm or the head.
     parallelize_module(model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None})
     for block in model.layers.values():
+        if isinstance(block.feed_forward, MoE):
+            # Each tp rank routes its own slice of the sequence (see expert_parallel.py).
+            ffn_plan = {"feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(between,),
+                                                           use_local_output=True)}
+        else:
+            ffn_plan = {
+                "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            }
         plan = {
             # The second input, the positions, is the same on every tp rank and stays a plain tensor.
             "attention": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
@@ -55,10 +68,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, los
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
-            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            **ffn_plan,
         }
         if sequence_parallel:
             plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
