@@ -33,6 +33,12 @@ def test_pipeline_degrees_are_derived_from_the_schedule():
                                         [*[f"layers.{i}" for i in range(5, 8)], "norm", "output"]])
 
 
+def test_ep_takes_the_data_parallel_ranks():
+    assert dims_for(8, ep=-1).ep == 1  # a dense model has no experts to split
+    assert dims_for(8, ep=-1, model__n_experts=8).ep == 8
+    assert dims_for(8, ep=-1, cp=2, tp=2, model__n_experts=8).ep == 4  # dp_shard 2 x cp 2, not tp
+
+
 def test_dp_shard_takes_the_rest():
     assert dims_for(8).dp_shard == 8
     dims = dims_for(8, dp_replicate=2)
@@ -69,6 +75,9 @@ def test_dp_shard_takes_the_rest():
         (4, {"pp": 4, "pp_schedule": "1f1b", "pp_microbatches": 2}, r"parallel.pp_microbatches=2 must be >= 4 for parallel.pp_schedule=1f1b"),
         (2, {"pp": 2, "pp_schedule": "dualpipev", "pp_microbatches": 2}, r"parallel.pp_microbatches=2 must be >= 4 for parallel.pp_schedule=dualpipev with 4 stages"),
         (2, {"pp": 2, "pp_stage_modules": [["tok_embeddings", "layers.0"], ["layers.2", "norm", "output"]]}, r"parallel.pp_stage_modules must be 2 lists"),
+        (4, {"ep": 2}, r"parallel.ep=2 needs a mixture-of-experts model \(model.n_experts > 0\)"),
+        (4, {"ep": 3, "model__n_experts": 8}, r"parallel.ep=3 must divide model.n_experts=8"),
+        (4, {"ep": 8, "model__n_experts": 8}, r"parallel.ep=8 must divide the ranks it is taken from, dp_shard\*cp=4"),
         (4, {"tp": 0}, r"parallel.tp=0 must be >= 1"),
         (4, {"tp": -1}, r"parallel.tp=-1 must be >= 1"),
     ],

@@ -8,7 +8,7 @@ import torch
 from helpers import spawn
 
 from trainer import build_model
-from trainer.models.moe import MoE
+from trainer.models.moe import MoE, _expert_swiglu_loop, expert_swiglu
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import parallelize_moe
 
@@ -64,6 +64,24 @@ def test_top_k_weights_are_a_softmax_over_the_chosen_logits():
         for w, e in zip(chosen, (0, 1))
     )
     torch.testing.assert_close(out.view(4, 4), expected)
+
+
+def test_grouped_matmul_experts_equal_one_matmul_per_expert():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 8, generator=g, requires_grad=True)
+    w1, w3 = torch.randn(2, 4, 12, 8, generator=g).requires_grad_().unbind(0)
+    w2 = torch.randn(4, 8, 12, generator=g, requires_grad=True)
+    counts = torch.tensor([3, 0, 7, 0])  # experts without tokens too
+    grads = []
+    for fn in (expert_swiglu, _expert_swiglu_loop):
+        out = fn(x, counts, w1, w2, w3)
+        grads.append((out, *torch.autograd.grad(out.square().sum(), (x, w1, w2, w3))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    # No tokens at all (an expert-parallel rank nobody routes to).
+    out = expert_swiglu(x[:0], torch.zeros(4, dtype=torch.long), w1, w2, w3)
+    assert out.shape == (0, 8)
+    assert torch.autograd.grad(out.sum(), w2)[0].abs().max() == 0
 
 
 def test_mixtral_debug_is_a_small_mixtral():

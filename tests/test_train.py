@@ -71,3 +71,31 @@ def test_compile_with_tensor_parallel_is_refused():
         check_job(job, world=2)
     job.parallel.tp = 1
     check_job(job, world=2)
+
+
+def test_mixture_of_experts_rules_are_config_errors():
+    import pytest
+
+    from trainer.config import JobConfig, load_model_config
+    from trainer.errors import ConfigError
+    from trainer.train import check_job
+
+    def job_with(**settings):
+        job = JobConfig()
+        job.model = load_model_config("mixtral_debug")
+        job.training.seq_len = 64
+        for key, value in settings.items():
+            section, name = key.split("__")
+            setattr(getattr(job, section), name, value)
+        return job
+
+    check_job(job_with(parallel__ep=2, parallel__tp=2), world=4)
+    for settings, message in [
+        ({"model__top_k": 9}, r"model.top_k=9 must be between 1 and model.n_experts=8"),
+        ({"model__top_k": 0}, r"model.top_k=0 must be between 1 and model.n_experts=8"),
+        ({"model__capacity_factor": 0.0}, r"model.capacity_factor=0.0 must be > 0, or null for dropless routing"),
+        ({"parallel__tp": 2, "parallel__sequence_parallel": False},
+         r"parallel.tp=2 with a mixture-of-experts model needs parallel.sequence_parallel=true"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check_job(job_with(**settings), world=4)

@@ -38,7 +38,20 @@ class GroupedExperts(nn.Module):
 
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   w3: torch.Tensor) -> torch.Tensor:
-    """Each expert's SwiGLU on its contiguous slice of x: one matmul per expert and weight."""
+    """Each expert's SwiGLU on its contiguous slice of x, as grouped matmuls (one kernel for all
+    experts). torch's grouped matmul takes fp32 on CPU and bf16 on CUDA, and no empty input in
+    backward (torch 2.13); other cases loop over the experts, one matmul per expert and weight."""
+    if len(x) == 0 or (x.device.type != "cpu" and x.dtype != torch.bfloat16):
+        return _expert_swiglu_loop(x, counts, w1, w2, w3)
+    offsets = counts.cumsum(0).to(torch.int32)
+
+    def matmul(a, w):  # a's slice for expert e times w[e].T
+        return F.grouped_mm(a, w.transpose(1, 2), offs=offsets)
+
+    return matmul(F.silu(matmul(x, w1)) * matmul(x, w3), w2)
+
+
+def _expert_swiglu_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     out = [
         (F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T
         for e, chunk in enumerate(x.split(counts.tolist()))
