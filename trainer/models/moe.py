@@ -39,9 +39,10 @@ class GroupedExperts(nn.Module):
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   w3: torch.Tensor) -> torch.Tensor:
     """Each expert's SwiGLU on its contiguous slice of x, as grouped matmuls (one kernel for all
-    experts). torch's grouped matmul takes fp32 on CPU and bf16 on CUDA, and no empty input in
-    backward (torch 2.13); other cases loop over the experts, one matmul per expert and weight."""
-    if len(x) == 0 or (x.device.type != "cpu" and x.dtype != torch.bfloat16):
+    experts). torch's grouped matmul takes fp32 on CPU and bf16 on CUDA, but no empty input in
+    backward and, compiled, bf16 only (torch 2.13); other cases loop over the experts, one
+    matmul per expert and weight."""
+    if len(x) == 0 or (x.dtype != torch.bfloat16 and (x.device.type != "cpu" or torch.compiler.is_compiling())):
         return _expert_swiglu_loop(x, counts, w1, w2, w3)
     offsets = counts.cumsum(0).to(torch.int32)
 
