@@ -174,7 +174,7 @@ class ParallelDims:
 
     def view(self, name: str) -> DeviceMesh:
         """A 1-D submesh: one of MESH_DIMS or one of the flattened FLAT_VIEWS (and, for a
-        mixture-of-experts model, `ep` and `dp_cp_tp`: the ranks that share a microbatch's tokens)."""
+        mixture-of-experts model, `ep` and `dp_cp_tp`, the ranks a microbatch's tokens are spread over)."""
         return self._views[name] if name in self._views else self.mesh[name]
 
     @property

@@ -29,9 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from trainer.models.moe import expert_swiglu, moe_layers
+from trainer.parallel.dims import ParallelDims
 
 
-def parallelize_moe(model: nn.Module, dims) -> None:
+def parallelize_moe(model: nn.Module, dims: ParallelDims) -> None:
     """Expert parallel over `ep`, and tensor parallel for the MoE layers: each tp rank routes its
     own slice of the sequence (sequence parallel) through router and experts replicated over tp,
     whose gradients are summed over the tp ranks. No-op for a dense model."""
