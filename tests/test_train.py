@@ -91,6 +91,7 @@ def test_mixture_of_experts_rules_are_config_errors():
 
     check_job(job_with(parallel__ep=2, parallel__tp=2), world=4)
     for settings, message in [
+        ({"model__family": "llama"}, r"model.n_experts=8 needs model.family=mixtral"),
         ({"model__top_k": 9}, r"model.top_k=9 must be between 1 and model.n_experts=8"),
         ({"model__top_k": 0}, r"model.top_k=0 must be between 1 and model.n_experts=8"),
         ({"model__capacity_factor": 0.0}, r"model.capacity_factor=0.0 must be > 0, or null for dropless routing"),

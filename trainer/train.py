@@ -35,6 +35,8 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     if job.model.family not in MODEL_CLASSES:
         raise ConfigError(f"model.family={job.model.family} is unknown; choose one of {sorted(MODEL_CLASSES)}")
     m = job.model
+    if m.family == "llama" and m.n_experts:
+        raise ConfigError(f"model.n_experts={m.n_experts} needs model.family=mixtral: a Llama block has one feed-forward")
     if m.family == "mixtral":
         if m.n_experts < 1:
             raise ConfigError(f"model.n_experts={m.n_experts} must be >= 1 for model.family=mixtral")
