@@ -64,23 +64,24 @@ class MoEStats:
                 layer.routing_records.clear()
         self.steps += 1
 
-    def report(self, layer_copies: int, token_copies: int) -> dict:
+    def report(self, layer_copies: int) -> dict:
         """For the whole job since the last report (all-reduces over the world; call on every rank):
 
         aux_loss: the load-balancing loss, averaged over layers, microbatches and ranks (no coefficient);
         expert_load_{min,max,mean}: slots routed to one expert of one layer per step, over every
         (layer, expert); dropped_tokens: slots dropped per step over the capacity (0 when dropless).
-        `layer_copies` ranks hold each layer; `token_copies` ranks route the same tokens.
+        `layer_copies` ranks hold each layer. Every rank routes its own tokens (tensor parallel
+        with MoE requires sequence parallel), so the counts sum over ranks as they are.
         """
         stats = torch.cat([self.load.flatten(), self.totals])
         dist.all_reduce(stats)
-        load = stats[:-2] / (token_copies * self.steps)
+        load = stats[:-2] / self.steps
         record = {
             "aux_loss": stats[-2].item() / (layer_copies * len(self.load) * self.steps),
             "expert_load_min": load.min().item(),
             "expert_load_max": load.max().item(),
             "expert_load_mean": load.mean().item(),
-            "dropped_tokens": stats[-1].item() / (token_copies * self.steps),
+            "dropped_tokens": stats[-1].item() / self.steps,
         }
         self.load.zero_()
         self.totals.zero_()

@@ -17,7 +17,7 @@ from trainer.config import JobConfig
 from trainer.data import BatchLoader, ByteTokenizer, build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError
-from trainer.metrics import MetricsLogger, flops_per_token, MoEStats, peak_memory_gib, peak_tflops
+from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_memory_gib, peak_tflops
 from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
 from trainer.models.moe import set_aux_loss_scale
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -155,7 +155,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 "elapsed_s": now - start,
             }
             if moe_stats is not None:
-                record |= moe_stats.report(layer_copies=dims.world_size // dims.pp, token_copies=1)
+                record |= moe_stats.report(layer_copies=dims.world_size // dims.pp)
             if validate:
                 val_batches = partial(microbatches, val_loader)
                 record["val_loss"] = evaluate(parts[0], val_batches, job.validation.steps, device, dims, loss_parallel)
