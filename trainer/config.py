@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -131,6 +131,40 @@ class ValidationConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = False
+    interval: int = 500  # save every `interval` steps, and at the last step
+    keep_last: int = 3  # 0 keeps every checkpoint
+    resume: str = "auto"  # auto: the newest complete checkpoint in output_dir, if any | none | PATH
+    async_save: bool = False  # the key `async` (a Python keyword, so renamed here)
+    initial: Optional[str] = None  # weights to start from: a seed checkpoint, ours or a Hugging Face directory
+
+    @classmethod
+    def from_mapping(cls, node: dict) -> CheckpointConfig:
+        """Reads checkpoint.* from the composed config, checking each value's type."""
+        defaults = cls()
+        values = {}
+        for key, value in node.items():
+            name = "async_save" if key == "async" else key
+            expected = type(getattr(defaults, name))
+            if name in ("resume", "initial"):
+                ok = value is None or isinstance(value, str)
+            else:
+                ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+            if not ok:
+                raise ConfigError(f"checkpoint.{key}={value} must be a {expected.__name__}")
+            values[name] = value
+        return cls(**values)
+
+
+def _checkpoint_keys() -> dict:
+    # `checkpoint.async` cannot be a dataclass field, so the schema holds checkpoint.* as a
+    # mapping; Hydra's struct mode still rejects a misspelt key.
+    defaults = vars(CheckpointConfig())
+    return {("async" if key == "async_save" else key): value for key, value in defaults.items()}
+
+
+@dataclass
 class JobConfig:
     device: str = "auto"
     run_name: str = "${recipe_name:}"
@@ -142,6 +176,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checkpoint: Dict[str, Any] = field(default_factory=_checkpoint_keys)
 
 
 def register_configs() -> None:

@@ -117,6 +117,7 @@ class BatchLoader:
         self.blocks = grad_accum * pp_microbatches
         self.share = global_batch // self.blocks // dp_size  # sequences of one block on one rank
         self.micro_batch = global_batch // dp_size // grad_accum
+        self.offset = 0  # the stream position of step 0's batch; a resumed run sets it
         self._epoch, self._order = -1, None
 
     def _position(self, position: int) -> int:
@@ -126,11 +127,15 @@ class BatchLoader:
             self._epoch, self._order = epoch, torch.randperm(len(self.dataset), generator=generator)
         return int(self._order[offset])
 
+    def position(self, steps: int) -> int:
+        """Sequences of the stream consumed after `steps` steps: where the next step reads."""
+        return self.offset + steps * self.global_batch
+
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[(inputs, labels)] for `step` (0-based), each [micro_batch, seq_len]."""
         block_size = self.global_batch // self.blocks
         positions = [
-            step * self.global_batch + block * block_size + self.dp_rank * self.share + i
+            self.offset + step * self.global_batch + block * block_size + self.dp_rank * self.share + i
             for block in range(self.blocks) for i in range(self.share)
         ]
         sequences = torch.stack([self.dataset[self._position(p)] for p in positions])

@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.config import JobConfig
+from trainer.checkpoint import Checkpointer, TrainState, restore
+from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, ByteTokenizer, build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError
@@ -76,21 +77,36 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     return dims
 
 
+def check_checkpoint(node: dict) -> CheckpointConfig:
+    cfg = CheckpointConfig.from_mapping(node)
+    if cfg.interval < 1:
+        raise ConfigError(f"checkpoint.interval={cfg.interval} must be >= 1")
+    if cfg.keep_last < 0:
+        raise ConfigError(f"checkpoint.keep_last={cfg.keep_last} must be >= 0 (0 keeps every checkpoint)")
+    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():
+        raise ConfigError(f"checkpoint.resume={cfg.resume} is not a directory; use auto, none or a checkpoint's path")
+    if cfg.initial is not None and not Path(cfg.initial).is_dir():
+        raise ConfigError(f"checkpoint.initial={cfg.initial} is not a directory (a checkpoint or a Hugging Face model)")
+    return cfg
+
+
 def run(cfg: DictConfig) -> None:
     """Runs the job `cfg` (the composed Hydra config) on this rank."""
     job: JobConfig = OmegaConf.to_object(cfg)
     device = resolve_device(job.device)
     dims = check_job(job, world_size())
+    checkpoint = check_checkpoint(job.checkpoint)
     dataset = build_dataset(job.data, job.training.seq_len, job.training.seed)
     val_dataset = build_dataset(job.data, job.training.seq_len, job.training.seed, split="val")
     init_distributed(device)
     try:
-        train(job, OmegaConf.to_container(cfg, resolve=True), dims, device, dataset, val_dataset)
+        train(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset)
     finally:
         shutdown()
 
 
-def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device, dataset, val_dataset) -> None:
+def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: CheckpointConfig, device: torch.device,
+          dataset, val_dataset) -> None:
     t = job.training
     dims.build_mesh(device.type)
     rank = dist.get_rank()
@@ -110,12 +126,20 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     step_fn = make_step_fn(job, dims, device, parts, stages, loss_parallel)
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
-    scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio)
     dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
     loader, val_loader = (
         BatchLoader(data, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed, dims.pp_microbatches)
         for data in (dataset, val_dataset)
     )
+    state = TrainState(parts, optimizer)
+    log = partial(print, flush=True) if rank == 0 else lambda *_: None
+    start_step, position = restore(checkpoint, state, output_dir / "checkpoints", job.model, log)
+    loader.offset = position - start_step * t.global_batch_size
+    scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio, start_step)
+    checkpointer = None
+    if checkpoint.enabled:
+        checkpointer = Checkpointer(output_dir / "checkpoints", checkpoint.interval, checkpoint.keep_last,
+                                    checkpoint.async_save, config["model"], device)
 
     def microbatches(loader: BatchLoader, step: int) -> list[tuple[torch.Tensor, ...]]:
         # The ranks of a cp group read the same sequences; each keeps its share of them.
@@ -127,8 +151,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
     tokens_per_step = t.global_batch_size * t.seq_len
     moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device) if job.model.n_experts else None
     start = last_time = time.perf_counter()
-    last_step = 0
-    for step in range(1, t.steps + 1):
+    last_step = start_step
+    for step in range(start_step + 1, t.steps + 1):
         loss = step_fn(microbatches(loader, step - 1))
         if moe_stats is not None:
             moe_stats.collect(parts, t.grad_accum_steps * dims.pp_microbatches)
@@ -161,6 +185,11 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, device: torch.device
                 record["val_loss"] = evaluate(parts[0], val_batches, job.validation.steps, device, dims, loss_parallel)
             logger.log(record)
             last_step, last_time = step, time.perf_counter()
+        if checkpointer is not None and checkpointer.after_step(step, t.steps,
+                                                                lambda: state.for_save(step, loader.position(step))):
+            break
+    if checkpointer is not None:
+        checkpointer.close()
     logger.close()
 
 

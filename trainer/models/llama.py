@@ -93,6 +93,7 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        self.config = cfg
         self.n_layers = cfg.n_layers
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict(

@@ -1,0 +1,143 @@
+"""Hugging Face interop: transformers' Llama and Mixtral directories (config.json + safetensors)
+to and from this trainer's parameter names and model config.
+
+Rotary embeddings: our attention rotates the two halves of each head ("rotate half"), as
+transformers' Llama and Mixtral do, and lays heads out contiguously in the q/k/v projections'
+rows, as they do, so q_proj and k_proj map over unchanged. (Meta's original checkpoints pair
+adjacent dimensions instead; transformers' conversion permutes their q/k rows once into the
+half-split layout, and its directories are what is read here.) The logit tests in
+tests/test_hf.py hold both conventions equal. Mixtral's experts are stored one tensor per expert
+(block_sparse_moe.experts.E.w1/w2/w3, the layout on disk of every transformers version); ours are
+stacked along a first experts dimension.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainer.config import ModelConfig
+from trainer.errors import ConfigError
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def config_from_hf(path: Path) -> ModelConfig:
+    """Our model config for the Hugging Face model in directory `path`; unsupported features are errors."""
+    hf = json.loads((path / "config.json").read_text())
+    family = {"llama": "llama", "mixtral": "mixtral"}.get(hf.get("model_type"))
+    if family is None:
+        raise ConfigError(f"{path}/config.json: model_type={hf.get('model_type')} is not supported (llama, mixtral)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"{path}/config.json: rope type {rope.get('rope_type', rope.get('type'))} is not supported")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    unsupported = {"attention_bias": True, "mlp_bias": True}
+    for key, bad in unsupported.items():
+        if hf.get(key) == bad:
+            raise ConfigError(f"{path}/config.json: {key}={bad} is not supported")
+    if head_dim * hf["num_attention_heads"] != hf["hidden_size"] or hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{path}/config.json: head_dim * heads must equal hidden_size, with silu activations")
+    cfg = ModelConfig(
+        family=family, name=path.name, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_seq_len=hf.get("max_position_embeddings", 2048), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+    )
+    if family == "mixtral":
+        cfg.n_experts, cfg.top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
+        cfg.aux_loss_coef = hf.get("router_aux_loss_coef", 0.0)
+    return cfg
+
+
+def hf_config(cfg: ModelConfig):
+    """A transformers config object for our model config."""
+    from transformers import LlamaConfig, MixtralConfig
+
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, hidden_act="silu",
+    )
+    if cfg.family == "mixtral":
+        return MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                             router_aux_loss_coef=cfg.aux_loss_coef, **common)
+    return LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, mlp_bias=False, **common)
+
+
+def _layer_names(i: int, moe: bool) -> dict[str, str]:
+    """Our name -> Hugging Face name, for the tensors of layer i other than the experts."""
+    ours, hf = f"layers.{i}.", f"model.layers.{i}."
+    names = {
+        "attention_norm.weight": "input_layernorm.weight",
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wk.weight": "self_attn.k_proj.weight",
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    }
+    if moe:
+        names["feed_forward.router.weight"] = "block_sparse_moe.gate.weight"
+    else:
+        names |= {"feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+                  "feed_forward.w2.weight": "mlp.down_proj.weight"}
+    return {ours + a: hf + b for a, b in names.items()}
+
+
+def _names(cfg: ModelConfig) -> dict[str, str]:
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(cfg.n_layers):
+        names |= _layer_names(i, cfg.n_experts > 0)
+    return names
+
+
+def _expert_names(cfg: ModelConfig, i: int, w: str) -> list[str]:
+    return [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(cfg.n_experts)]
+
+
+def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model config and full weights (under our names) of a Hugging Face directory."""
+    from safetensors import safe_open
+
+    cfg = config_from_hf(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            tensors |= {key: f.get_tensor(key) for key in f.keys()}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ConfigError(f"{path} has no tensor {name}: not a {cfg.family} checkpoint of this shape")
+        return tensors[name]
+
+    weights = {ours: take(hf) for ours, hf in _names(cfg).items()}
+    for i in range(cfg.n_experts and cfg.n_layers):
+        for w in ("w1", "w2", "w3"):
+            weights[f"layers.{i}.feed_forward.experts.{w}"] = torch.stack([take(n) for n in _expert_names(cfg, i, w)])
+    if cfg.tie_embeddings:
+        weights["output.weight"] = weights["tok_embeddings.weight"]
+    return cfg, weights
+
+
+def write_hf(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) -> None:
+    """Writes full weights under our names as a Hugging Face directory that transformers loads."""
+    from safetensors.torch import save_file
+
+    tensors = {hf: weights[ours] for ours, hf in _names(cfg).items()}
+    for i in range(cfg.n_experts and cfg.n_layers):
+        for w in ("w1", "w2", "w3"):
+            stacked = weights[f"layers.{i}.feed_forward.experts.{w}"]
+            tensors |= dict(zip(_expert_names(cfg, i, w), stacked.unbind(0)))
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(cfg)
+    config.architectures = ["MixtralForCausalLM" if cfg.family == "mixtral" else "LlamaForCausalLM"]
+    config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
