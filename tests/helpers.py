@@ -21,12 +21,16 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
 
-def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs train.py on `nproc` local gloo ranks; output goes to `output_dir`."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher_args,
         str(REPO / "train.py"), *overrides, f"output_dir={output_dir}",
     ]
+
+
+def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs train.py on `nproc` local gloo ranks; output goes to `output_dir`."""
+    cmd = torchrun_command(nproc, *overrides, output_dir=output_dir)
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 

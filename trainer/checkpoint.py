@@ -17,8 +17,11 @@ import os
 import pickle
 import shutil
 import signal
+import time
+import warnings
 import zlib
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -162,9 +165,18 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+@contextmanager
+def _quiet_single_process():
+    """DCP warns on every call made without a process group, which is how one-process tools use it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
 def _dcp_load(state: dict, path: Path) -> None:
     try:
-        dcp.load(state, storage_reader=SafeReader(path))
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
     except Exception as e:  # DCP wraps each rank's failure; its message names the missing key or file
@@ -293,8 +305,9 @@ def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -
         path = find_resume(folder, rank, world, log)
     if path is not None:
         _check_model(model_cfg, _saved_config(path), f"checkpoint.resume={path}")
+        started = time.perf_counter()
         step, position = state.load(path)
-        log(f"checkpoint: resumed from {path} at step {step}")
+        log(f"checkpoint: resumed from {path} at step {step} (loaded in {time.perf_counter() - started:.2f}s)")
         return step, position
     if cfg.initial:
         load_weights(list(state.model), cfg.initial, key="checkpoint.initial")
@@ -331,7 +344,8 @@ def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     OmegaConf.save(OmegaConf.structured(cfg), tmp / MODEL_CONFIG)
-    dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
+    with _quiet_single_process():
+        dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
     if out.exists():
         out.rmdir()
     publish(tmp, out, 0, 0, 1)
@@ -388,6 +402,7 @@ class Checkpointer:
         # Async saves run their collectives on a group of their own, apart from training's.
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.pending: tuple[int, Future] | None = None
+        self.started = self.blocked = 0.0  # when the last save began; how long it held up training
         self.stop = StopSignal()
         if self.rank == 0:
             for stale in folder.glob("step_*.tmp"):  # a save that never finished
@@ -414,6 +429,7 @@ class Checkpointer:
 
     def save(self, step: int, state: dict, wait: bool = False) -> None:
         self.wait()
+        self.started = time.perf_counter()
         tmp, final = self._paths(step)
         if self.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -423,8 +439,10 @@ class Checkpointer:
             # Copies the state to host memory, then writes it while training goes on; done once
             # this rank's files (and, on rank 0, the metadata) are written.
             self.pending = (step, dcp.async_save(state, checkpoint_id=tmp, process_group=self.group))
+            self.blocked = time.perf_counter() - self.started
         else:
             dcp.save(state, checkpoint_id=tmp)
+            self.blocked = None
             self._publish(step)
 
     def busy(self) -> bool:
@@ -443,7 +461,9 @@ class Checkpointer:
         tmp, final = self._paths(step)
         publish(tmp, final, step, self.rank, self.world)
         if self.rank == 0:
-            print(f"checkpoint: saved step {step} to {final}", flush=True)
+            took = time.perf_counter() - self.started
+            blocked = f"training held up {self.blocked:.2f}s" if self.blocked is not None else "synchronous"
+            print(f"checkpoint: saved step {step} to {final} in {took:.2f}s ({blocked})", flush=True)
             if self.keep_last > 0:
                 for _, old in checkpoint_steps(self.folder)[: -self.keep_last]:
                     shutil.rmtree(old, ignore_errors=True)

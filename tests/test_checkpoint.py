@@ -1,0 +1,236 @@
+"""Checkpoints: exact resume, resume under another layout, atomic publishing and damage
+detection, seed checkpoints, preemption by signal, and torchrun restarting a killed rank."""
+
+import os
+import pickle
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ENV, REPO, failure_report, read_metrics, torchrun, torchrun_command, train_metrics
+
+from trainer import build_model, load_weights
+from trainer.checkpoint import CheckpointError, SafeReader, verify
+from trainer.config import JobConfig
+from trainer.data import BatchLoader, build_dataset
+from trainer.train import cross_entropy
+
+STEPS = 10
+COMMON = (
+    "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64", "training.global_batch_size=8",
+    "training.lr=3e-3", "training.warmup_steps=2", "checkpoint.enabled=true",
+)
+LLAMA = ("model=llama_debug", *COMMON)
+MIXTRAL = ("model=mixtral_debug", *COMMON)
+EXACT = 1e-6  # the same layout resumed
+RESHARDED = 1e-4  # another layout: SPEC §8's tolerance
+
+
+def by_step(records: list[dict]) -> dict[int, dict]:
+    """The last record of each step (a restarted run logs the steps after its checkpoint again)."""
+    return {r["step"]: r for r in records}
+
+
+def largest_difference(records: list[dict], reference: list[dict], first_step: int) -> float:
+    """The largest relative loss difference over the steps from `first_step` on; checks they all ran."""
+    got, expected = by_step(records), by_step(reference)
+    steps = range(first_step, STEPS + 1)
+    assert all(s in got for s in steps), f"steps {sorted(got)} miss some of {list(steps)}"
+    return max(abs(got[s]["loss"] - expected[s]["loss"]) / expected[s]["loss"] for s in steps)
+
+
+def run(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> list[dict]:
+    return train_metrics(nproc, *overrides, output_dir=output_dir, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """An uninterrupted 2-rank FSDP run saving at steps 5 and 10: its output directory and metrics."""
+    out = tmp_path_factory.mktemp("reference")
+    return out, run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5", output_dir=out)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_repeats_the_uninterrupted_run(mode, reference, tmp_path):
+    saved = tmp_path / "saved"
+    if mode == "sync":
+        saved, records = reference
+    else:  # saving overlapped with training changes nothing, and its checkpoints resume the same
+        records = run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5", "checkpoint.async=true",
+                      output_dir=saved)
+        assert largest_difference(records, reference[1], 1) == 0
+    resumed = run(2, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={saved}/checkpoints/step_5",
+                  output_dir=tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(6, STEPS + 1))
+    difference = largest_difference(resumed, records, 6)
+    print(f"exact resume ({mode}): largest relative loss difference {difference:.1e}")
+    assert difference <= EXACT
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(resumed, records[5:])) <= EXACT
+
+
+# name -> (ranks, overrides) saving, then (ranks, overrides) resuming
+RESHARDING = {
+    "llama_tp2_pp4_to_fsdp4": ((8, ("+recipe=llama_tp2_pp4", *LLAMA)), (4, ("+recipe=llama_fsdp", *LLAMA))),
+    "llama_fsdp4_to_tp2_pp4": ((4, ("+recipe=llama_fsdp", *LLAMA)), (8, ("+recipe=llama_tp2_pp4", *LLAMA))),
+    "mixtral_ep4_to_fsdp2": ((4, ("+recipe=mixtral_ep", *MIXTRAL)), (2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL))),
+    "mixtral_fsdp2_to_ep2_tp2": ((2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL)),
+                                 (4, ("+recipe=mixtral_ep2_tp2", *MIXTRAL))),
+}
+
+
+@pytest.mark.parametrize("case", RESHARDING)
+def test_resume_under_another_layout(case, tmp_path):
+    (save_ranks, save_overrides), (resume_ranks, resume_overrides) = RESHARDING[case]
+    records = run(save_ranks, *save_overrides, "checkpoint.interval=5", output_dir=tmp_path / "saved")
+    resumed = run(resume_ranks, *resume_overrides, f"checkpoint.resume={tmp_path}/saved/checkpoints/step_5",
+                  output_dir=tmp_path / "resumed")
+    difference = largest_difference(resumed, records, 6)
+    print(f"{case}: largest relative loss difference {difference:.1e}")
+    assert difference <= RESHARDED
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
+    """keep_last prunes; a damaged checkpoint is refused by name and skipped by resume=auto;
+    a save that never finished (.tmp) is never a candidate."""
+    out = tmp_path / "run"
+    records = run(1, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3", "checkpoint.keep_last=2",
+                  output_dir=out)
+    folder = out / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_10", "step_9"]
+    data = next((folder / "step_10").glob("*.distcp"))
+    with open(data, "r+b") as f:  # one flipped byte in the middle of the file
+        f.seek(data.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    (folder / "step_12.tmp").mkdir()
+    (folder / "step_12.tmp" / ".metadata").write_bytes(b"partial")
+
+    named = torchrun(1, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={folder / 'step_10'}",
+                     output_dir=tmp_path / "named")
+    assert named.returncode != 0
+    assert f"config error: checkpoint.resume={folder / 'step_10'} cannot be loaded: {data.name} is damaged" in named.stderr
+    assert "/trainer/" not in named.stderr  # no traceback from our code (torchrun prints its own summary)
+
+    auto = torchrun(1, "+recipe=llama_fsdp", *LLAMA, output_dir=out)
+    assert auto.returncode == 0, failure_report(auto)
+    assert f"skipping {folder / 'step_10'}: {data.name} is damaged" in auto.stdout
+    assert f"resumed from {folder / 'step_9'} at step 9" in auto.stdout
+    assert by_step(read_metrics(out))[10]["loss"] == records[-1]["loss"]
+    assert verify(folder / "step_10") is None  # saved again, whole
+    assert not (folder / "step_12.tmp").exists()
+
+
+def test_checkpoint_metadata_cannot_run_code(tmp_path):
+    """DCP's metadata is a pickle; ours is read with an allow-list, so a crafted one fails."""
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match="does not belong in checkpoint metadata"):
+        SafeReader(tmp_path).read_metadata()
+    assert not marker.exists()
+
+
+def test_seed_checkpoint_is_the_starting_point(tmp_path):
+    seed = tmp_path / "seed"
+    result = subprocess.run([os.sys.executable, str(REPO / "scripts" / "seed_checkpoint.py"), str(seed),
+                             "--model", "llama_debug", "--seed", "3"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    model = build_model("llama_debug")
+    load_weights(model, seed)
+    expected = build_model("llama_debug", seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
+
+    # A two-rank run (seed 0 for its data) starts from those weights, not its own.
+    records = run(2, "+recipe=llama_tp2", *LLAMA, "training.steps=1", f"checkpoint.initial={seed}",
+                  "checkpoint.enabled=false", output_dir=tmp_path / "run")
+    job = JobConfig()
+    loader = BatchLoader(build_dataset(job.data, 64, 0), 8, dp_rank=0, dp_size=1, grad_accum=1, seed=0)
+    ((inputs, labels),) = loader.microbatches(0)
+    with torch.no_grad():
+        loss = cross_entropy(expected(inputs), labels).item()
+    assert abs(records[0]["loss"] - loss) / loss <= 1e-5
+
+
+def start(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = ()) -> subprocess.Popen:
+    log = open(output_dir.parent / f"{output_dir.name}.log", "w")
+    return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir, launcher_args=launcher_args),
+                            cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None or time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError("the run ended, or never got there")
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, timeout: float = 180) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+
+
+def logged_steps(out: Path) -> int:
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
+    """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption): every rank ends the
+    step, a checkpoint is saved, the ranks exit; resume=auto then finishes the run."""
+    out = tmp_path / "run"
+    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
+    wait_for(lambda: logged_steps(out) >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    finish(process)
+    log = (tmp_path / "run.log").read_text()
+    stopped = logged_steps(out)
+    assert stopped < STEPS and f"stopped at step {stopped} on a signal" in log, log[-3000:]
+    assert "exitcode" not in log  # no rank failed: each saved and exited 0
+    assert verify(out / "checkpoints" / f"step_{stopped}") is None
+
+    resumed = torchrun(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
+    assert resumed.returncode == 0, failure_report(resumed)
+    difference = largest_difference(read_metrics(out), reference[1], 1)
+    print(f"preemption: stopped at step {stopped}, largest relative loss difference {difference:.1e}")
+    assert difference <= EXACT
+
+
+def test_torchrun_restarts_a_killed_rank_from_the_newest_checkpoint(reference, tmp_path):
+    out = tmp_path / "run"
+    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3", output_dir=out,
+                    launcher_args=("--max-restarts=1",))
+    wait_for(lambda: (out / "checkpoints" / "step_3").is_dir(), process)
+    worker = next(pid for pid in children(process.pid))
+    os.kill(worker, signal.SIGKILL)
+    assert finish(process) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    log = (tmp_path / "run.log").read_text()
+    assert "resumed from" in log
+    difference = largest_difference(read_metrics(out), reference[1], 1)
+    print(f"torchrun restart: largest relative loss difference {difference:.1e}")
+    assert difference <= EXACT
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found

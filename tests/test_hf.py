@@ -1,0 +1,93 @@
+"""Hugging Face interop (SPEC §9): random transformers models, built here with no download,
+imported and exported by scripts/convert_hf.py and load_weights, give the same logits."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO, torchrun
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from trainer import build_model, load_weights
+from trainer.checkpoint import _saved_config
+from trainer.hf import config_from_hf
+
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(rope_theta=5000.0, **SHAPE)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SHAPE)),
+}
+
+
+def hf_model(family: str, path):
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    model.save_pretrained(path)
+    return model
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def convert(*args: str) -> None:
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_hf.py"), *map(str, args)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_and_export_keep_transformers_logits(family, tmp_path):
+    hf = hf_model(family, tmp_path / "hf")
+    with torch.no_grad():
+        expected = hf(tokens()).logits
+
+    # Straight from the Hugging Face directory.
+    ours = build_model(config_from_hf(tmp_path / "hf"))
+    load_weights(ours, tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens()), expected, rtol=1e-5, atol=1e-5)
+
+    # Converted to a checkpoint of ours, then back to a Hugging Face directory.
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    converted = build_model(_saved_config(tmp_path / "ours"), seed=7)
+    load_weights(converted, tmp_path / "ours")
+    convert("to-hf", tmp_path / "ours", tmp_path / "back")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(tokens()), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(back(tokens()).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_layout_matters(tmp_path):
+    """The check above can fail: with q/k rows in Meta's interleaved rotary layout (the
+    permutation transformers' conversion undoes), the logits no longer match."""
+    hf = hf_model("llama", tmp_path / "hf")
+    ours = build_model(config_from_hf(tmp_path / "hf"))
+    load_weights(ours, tmp_path / "hf")
+    head_dim = 16
+    with torch.no_grad():
+        for proj in (ours.layers["0"].attention.wq, ours.layers["0"].attention.wk):
+            rows = proj.weight.view(-1, 2, head_dim // 2, 64).transpose(1, 2).reshape(proj.weight.shape)
+            proj.weight.copy_(rows)
+        assert not torch.allclose(ours(tokens()), hf(tokens()).logits, atol=1e-3)
+
+
+def test_initial_weights_from_a_hugging_face_directory(tmp_path):
+    """checkpoint.initial=HF_DIR starts a sharded run from those weights (lr 0 keeps them, and
+    the final checkpoint holds them)."""
+    hf = hf_model("llama", tmp_path / "hf")
+    model = [f"model.{k}={v}" for k, v in dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
+                                                   ffn_dim=96, rope_theta=5000.0).items()]
+    result = torchrun(2, "+recipe=llama_tp2", "+smoke=cpu", *model, "training.steps=1", "training.lr=0",
+                      "training.seq_len=32", f"checkpoint.initial={tmp_path / 'hf'}", "checkpoint.enabled=true",
+                      output_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"initial weights from {tmp_path / 'hf'}" in result.stdout
+    ours = build_model(config_from_hf(tmp_path / "hf"))
+    load_weights(ours, tmp_path / "run" / "checkpoints" / "step_1")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens()), hf(tokens()).logits, rtol=1e-5, atol=1e-5)
