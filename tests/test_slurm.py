@@ -1,0 +1,112 @@
+"""scripts/slurm/train.sbatch against a real Slurm: a two-node cluster on this machine
+(scripts/slurm/local_cluster.sh), a job across both nodes, and a preemption through Slurm's signal."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, read_metrics
+
+CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
+STEPS = 10
+JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
+       "training.lr=3e-3", "checkpoint.enabled=true", "checkpoint.interval=100")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """The environment for Slurm commands on a freshly started local cluster (stopped afterwards)."""
+    env = {**os.environ, "SLURM_LOCAL_DIR": str(tmp_path_factory.mktemp("slurm")), "SLURM_LOCAL_PORT": "17817"}
+    started = subprocess.run(["bash", str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=300)
+    if started.returncode == 3:
+        pytest.skip(started.stderr.strip())
+    assert started.returncode == 0, started.stdout + started.stderr
+    env["SLURM_CONF"] = str(Path(env["SLURM_LOCAL_DIR"]) / "slurm.conf")
+    # Each node's torchrun starts two CPU ranks from this Python environment.
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
+    yield env
+    subprocess.run(["bash", str(CLUSTER), "stop"], env=env, capture_output=True, timeout=60)
+
+
+def submit(env: dict, out: Path, *args: str) -> str:
+    """Submits train.sbatch on both nodes; returns the job id."""
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--chdir={REPO}",
+           f"--output={out}/%x-%j.out", str(REPO / "scripts" / "slurm" / "train.sbatch"), *args, f"output_dir={out}"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "GONE")
+
+
+def state(env: dict, job: str) -> str:
+    """The job's state, GONE once Slurm has forgotten it."""
+    result = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True, timeout=30)
+    if "Invalid job id" in result.stderr:
+        return "GONE"
+    fields = dict(f.split("=", 1) for f in result.stdout.split() if "=" in f)
+    return fields.get("JobState", "UNKNOWN")
+
+
+def finished(env: dict, job: str) -> bool:
+    return state(env, job) in FINISHED
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def log_of(out: Path, job: str) -> str:
+    return (out / f"trainer-{job}.out").read_text()
+
+
+@pytest.fixture(scope="module")
+def two_node_run(slurm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_nodes")
+    job = submit(slurm, out, *JOB)
+    try:
+        wait_until(lambda: finished(slurm, job), 300, f"job {job} to finish")
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=30)
+    return out, job
+
+
+def test_job_spans_two_nodes(two_node_run):
+    out, job = two_node_run
+    log = log_of(out, job)
+    assert "2 nodes x 2 ranks" in log and "dp_shard=4" in log, log[-3000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), log[-3000:]
+    assert records[-1]["loss"] < 0.8 * records[0]["loss"]
+
+
+def test_preemption_signal_saves_requeues_and_resumes(slurm, two_node_run, tmp_path):
+    out = tmp_path
+    job = submit(slurm, out, *JOB)
+    try:
+        metrics = out / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "step 3")
+        # What Slurm does before the time limit (--signal=B:USR1@120): signal the batch script.
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True, timeout=30)
+        wait_until(lambda: "requeueing" in log_of(out, job), 120, "the requeue")
+        # A requeued job waits before it may start again; let it start now.
+        wait_until(lambda: state(slurm, job) == "PENDING", 60, "the job to be pending")
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True, timeout=30)
+        wait_until(lambda: finished(slurm, job), 300, f"job {job} to finish")
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=30)
+    log = log_of(out, job)
+    assert "stopped at step" in log and "restart 1" in log and "resumed from" in log, log[-4000:]
+    records = {r["step"]: r["loss"] for r in read_metrics(out)}
+    reference = {r["step"]: r["loss"] for r in read_metrics(two_node_run[0])}
+    assert sorted(records) == list(range(1, STEPS + 1))
+    difference = max(abs(records[s] - reference[s]) / reference[s] for s in records)
+    print(f"slurm preemption: largest relative loss difference {difference:.1e}")
+    assert difference <= 1e-6
