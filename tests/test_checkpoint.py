@@ -234,3 +234,16 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+@pytest.mark.parametrize("override, message", [
+    ("checkpoint.interval=0", "config error: checkpoint.interval=0 must be >= 1"),
+    ("checkpoint.keep_last=-1", "config error: checkpoint.keep_last=-1 must be >= 0"),
+    ("checkpoint.async=maybe", "config error: checkpoint.async=maybe must be a bool"),
+    ("checkpoint.resume=/no/such/dir", "config error: checkpoint.resume=/no/such/dir is not a directory"),
+    ("checkpoint.initial=/no/such/dir", "config error: checkpoint.initial=/no/such/dir is not a directory"),
+])
+def test_bad_checkpoint_settings_are_config_errors(override, message, tmp_path):
+    result = subprocess.run([os.sys.executable, str(REPO / "train.py"), "+smoke=cpu", override,
+                             f"output_dir={tmp_path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(message), result.stderr[-2000:]
