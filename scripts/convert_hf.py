@@ -16,9 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.checkpoint import MODEL_CONFIG, _check_model, load_weights, save_weights  # noqa: E402
+from trainer.checkpoint.files import MODEL_CONFIG  # noqa: E402
+from trainer.checkpoint.state import check_model, load_weights, save_weights  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.hf import read_hf, write_hf  # noqa: E402
+from trainer.checkpoint.hf import read_hf, write_hf  # noqa: E402
 from trainer.models import build_model, materialize, model_config  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def from_hf(hf_dir: Path, out: Path, model: str | None) -> None:
     cfg, weights = read_hf(hf_dir)
     if model is not None:
         named = model_config(model)
-        _check_model(named, cfg, f"{hf_dir}")
+        check_model(named, cfg, f"{hf_dir}")
         cfg.name = named.name
     save_weights(cfg, weights, out)
     print(f"wrote {cfg.family} model {cfg.name} ({sum(w.numel() for w in weights.values()) / 1e6:.2f}M values) to {out}")

@@ -10,8 +10,8 @@ from helpers import REPO, torchrun
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from trainer import build_model, load_weights
-from trainer.checkpoint import _saved_config
-from trainer.hf import config_from_hf
+from trainer.checkpoint.state import saved_config
+from trainer.checkpoint.hf import config_from_hf
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5)
@@ -52,7 +52,7 @@ def test_import_and_export_keep_transformers_logits(family, tmp_path):
 
     # Converted to a checkpoint of ours, then back to a Hugging Face directory.
     convert("from-hf", tmp_path / "hf", tmp_path / "ours")
-    converted = build_model(_saved_config(tmp_path / "ours"), seed=7)
+    converted = build_model(saved_config(tmp_path / "ours"), seed=7)
     load_weights(converted, tmp_path / "ours")
     convert("to-hf", tmp_path / "ours", tmp_path / "back")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()

@@ -65,7 +65,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+        full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
         std = model.init_std(name)
         if std is None:
             full.fill_(1.0)

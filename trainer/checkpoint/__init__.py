@@ -1,0 +1,9 @@
+"""Checkpoints: DCP save/resume in any layout (state.py), the on-disk format (files.py), saving
+during training and restoring at start (saver.py), and Hugging Face interop (hf.py)."""
+
+from trainer.checkpoint.files import CheckpointError, SafeReader, verify
+from trainer.checkpoint.saver import Checkpointer, restore
+from trainer.checkpoint.state import TrainState, load_weights, save_weights
+
+__all__ = ["CheckpointError", "Checkpointer", "SafeReader", "TrainState", "load_weights", "restore", "save_weights",
+           "verify"]

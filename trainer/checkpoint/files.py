@@ -1,0 +1,164 @@
+"""A checkpoint on disk: atomic publishing, verification, and reading DCP's metadata safely.
+
+A checkpoint is written to `step_N.tmp/` and published as `step_N/` by a rename, once every
+rank's files are on disk and a manifest of their sizes and CRC32s has been written. A directory
+without the `.tmp` suffix is therefore complete, and the manifest tells a damaged one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from trainer.errors import ConfigError
+
+MANIFEST = "manifest.json"
+MODEL_CONFIG = "model.yaml"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, incomplete or damaged."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: its own classes, torch dtypes and sizes, paths."""
+
+    OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+              ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        allowed = (module.startswith("torch.distributed.checkpoint.") or (module, name) in self.OTHERS
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} does not belong in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with its metadata read through the allow-list above (DCP itself uses a
+    plain pickle.load, which would run whatever a crafted file names)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"{self.path} is not a readable checkpoint: {path.name}: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
+def _sums(folder: Path, rank: int, world: int) -> dict[str, list[int]]:
+    """Size and CRC32 of this rank's share of the files (every world-th one)."""
+    return {p.name: [p.stat().st_size, _crc32(p)] for p in _files(folder)[rank::world]}
+
+
+def _gather(value, world: int) -> list:
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def publish(tmp: Path, final: Path, step: int, rank: int, world: int) -> None:
+    """Collective: checksums the files of a finished save, writes the manifest, renames tmp to final."""
+    sums = {k: v for part in _gather(_sums(tmp, rank, world), world) for k, v in part.items()}
+    if rank == 0:
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump({"step": step, "files": sums}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (a resumed run): the new one replaces it
+            old = final.with_name(final.name + ".old")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    if world > 1:
+        dist.barrier()
+
+
+def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """Collective: None if checkpoint `path` is complete and undamaged, else what is wrong."""
+    problem = None
+    manifest = path / MANIFEST
+    if not path.is_dir():
+        problem = "no such directory"
+    elif not manifest.is_file():
+        problem = f"no {MANIFEST}: an incomplete save, or not a checkpoint of this trainer"
+    if problem is None:
+        try:
+            expected = json.loads(manifest.read_text())["files"]
+        except (ValueError, KeyError) as e:
+            problem = f"{MANIFEST} is unreadable ({e})"
+    if problem is None:
+        missing = sorted(set(expected) - {p.name for p in _files(path)})
+        if missing:
+            problem = f"missing {missing[0]}"
+    if problem is None:
+        names = sorted(expected)[rank::world]
+        for name in names:
+            size, crc = (path / name).stat().st_size, None
+            if size != expected[name][0]:
+                problem = f"{name} is {size} bytes, the manifest says {expected[name][0]}"
+                break
+            crc = _crc32(path / name)
+            if crc != expected[name][1]:
+                problem = f"{name} is damaged (CRC32 {crc:08x}, the manifest says {expected[name][1]:08x})"
+                break
+    found = [p for p in _gather(problem, world) if p]
+    return found[0] if found else None
+
+
+def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
+    """The published checkpoints in `folder`, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        name, _, number = p.name.partition("_")
+        if name == "step" and number.isdigit() and p.is_dir():
+            found.append((int(number), p))
+    return sorted(found)
+
+
+def find_resume(folder: Path, rank: int, world: int, log) -> Path | None:
+    """Collective: the newest complete, undamaged checkpoint in `folder` (skipping damaged ones)."""
+    for _, path in reversed(checkpoint_steps(folder)):
+        problem = verify(path, rank, world)
+        if problem is None:
+            return path
+        log(f"checkpoint: skipping {path}: {problem}")
+    return None
+
+
+
+def rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

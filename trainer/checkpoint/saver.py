@@ -1,0 +1,150 @@
+"""Saving during training (every `interval` steps, on a stop signal, at the end) and restoring
+at start-up (resume, or initial weights)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+
+from trainer.checkpoint.files import (
+    MODEL_CONFIG,
+    CheckpointError,
+    checkpoint_steps,
+    find_resume,
+    publish,
+    rank_world,
+    verify,
+)
+from trainer.checkpoint.state import TrainState, check_model, load_weights, saved_config
+from trainer.config import ModelConfig
+
+
+def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -> tuple[int, int]:
+    """Collective: loads what checkpoint.* asks for (`cfg`: a CheckpointConfig); returns the step
+    and data position to go on from, (0, 0) for a fresh start."""
+    rank, world = rank_world()
+    path = None
+    if cfg.resume not in ("auto", "none"):
+        path = Path(cfg.resume)
+        problem = verify(path, rank, world)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint.resume={cfg.resume} cannot be loaded: {problem}")
+    elif cfg.resume == "auto" and cfg.enabled:
+        path = find_resume(folder, rank, world, log)
+    if path is not None:
+        check_model(model_cfg, saved_config(path), f"checkpoint.resume={path}")
+        started = time.perf_counter()
+        step, position = state.load(path)
+        log(f"checkpoint: resumed from {path} at step {step} (loaded in {time.perf_counter() - started:.2f}s)")
+        return step, position
+    if cfg.initial:
+        load_weights(list(state.model), cfg.initial, key="checkpoint.initial")
+        log(f"checkpoint: initial weights from {cfg.initial}")
+    return 0, 0
+
+
+
+class StopSignal:
+    """SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption, and what torchrun
+    forwards) becomes a request to stop after the current step; the loop saves and exits cleanly."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+
+class Checkpointer:
+    """Saves every `interval` steps and at the last into `folder` (synchronously, or overlapped
+    with training), publishes each save once all ranks are done, keeps the newest `keep_last`,
+    and saves at once when any rank is asked to stop."""
+
+    def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool, model_config: dict,
+                 device: torch.device):
+        self.folder, self.interval, self.keep_last, self.async_save = folder, interval, keep_last, async_save
+        self.model_config, self.device = model_config, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Async saves run their collectives on a group of their own, apart from training's.
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.pending: tuple[int, Future] | None = None
+        self.started = self.blocked = 0.0  # when the last save began; how long it held up training
+        self.stop = StopSignal()
+        if self.rank == 0:
+            for stale in folder.glob("step_*.tmp"):  # a save that never finished
+                shutil.rmtree(stale, ignore_errors=True)
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def after_step(self, step: int, last_step: int, state_fn) -> bool:
+        """Collective, after each optimizer step: publishes a finished async save, saves when due
+        (or when any rank was signalled) with state_fn()'s state; returns whether to stop."""
+        flags = torch.tensor([self.stop.received is not None, self.busy()], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, busy = flags.tolist()
+        if self.pending is not None and not busy:
+            self.wait()
+        if stop or step == last_step or step % self.interval == 0:
+            self.save(step, state_fn(), wait=bool(stop) or step == last_step)
+        if stop and self.rank == 0:
+            print(f"checkpoint: stopped at step {step} on a signal; resume with checkpoint.resume=auto", flush=True)
+        return bool(stop)
+
+    def _paths(self, step: int) -> tuple[Path, Path]:
+        final = self.folder / f"step_{step}"
+        return final.with_name(final.name + ".tmp"), final
+
+    def save(self, step: int, state: dict, wait: bool = False) -> None:
+        self.wait()
+        self.started = time.perf_counter()
+        tmp, final = self._paths(step)
+        if self.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
+        dist.barrier()
+        if self.async_save and not wait:
+            # Copies the state to host memory, then writes it while training goes on; done once
+            # this rank's files (and, on rank 0, the metadata) are written.
+            self.pending = (step, dcp.async_save(state, checkpoint_id=tmp, process_group=self.group))
+            self.blocked = time.perf_counter() - self.started
+        else:
+            dcp.save(state, checkpoint_id=tmp)
+            self.blocked = None
+            self._publish(step)
+
+    def busy(self) -> bool:
+        """Whether this rank's part of a pending save is still being written."""
+        return self.pending is not None and not self.pending[1].done()
+
+    def wait(self) -> None:
+        """Collective: waits for a pending save and publishes it."""
+        if self.pending is not None:
+            step, future = self.pending
+            future.result()
+            self.pending = None
+            self._publish(step)
+
+    def _publish(self, step: int) -> None:
+        tmp, final = self._paths(step)
+        publish(tmp, final, step, self.rank, self.world)
+        if self.rank == 0:
+            took = time.perf_counter() - self.started
+            blocked = f"training held up {self.blocked:.2f}s" if self.blocked is not None else "synchronous"
+            print(f"checkpoint: saved step {step} to {final} in {took:.2f}s ({blocked})", flush=True)
+            if self.keep_last > 0:
+                for _, old in checkpoint_steps(self.folder)[: -self.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)

@@ -1,0 +1,188 @@
+"""What a checkpoint holds, saved and loaded with torch.distributed.checkpoint (DCP).
+
+The model and optimizer state are saved under the whole model's parameter names (a pipeline
+stage keeps the names of the whole model), as DTensor shards that DCP reassembles for whatever
+layout loads them. Only tensors are saved, so loading never unpickles an object from a file.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from trainer.checkpoint.files import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
+from trainer.config import ModelConfig
+from trainer.errors import ConfigError
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _whole_name(key: str, at: int) -> str:
+    """Drops the model part's index ("0.", "1.", ...) from a key of nn.ModuleList(parts)'s state:
+    the `at`-th dotted component (0 for model keys, 1 for "state.0.layers...")."""
+    parts = key.split(".")
+    return ".".join(parts[:at] + parts[at + 1:])
+
+
+class TrainState:
+    """Views of the model parts' and optimizer's state under the whole model's names, sharing
+    storage with the live tensors, so DCP saves from them and loads into them in place."""
+
+    def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = nn.ModuleList(parts), optimizer
+
+    def model_state(self) -> tuple[dict, dict]:
+        live = get_model_state_dict(self.model)
+        return live, {_whole_name(k, 0): v for k, v in live.items()}
+
+    def optimizer_state(self) -> tuple[dict, dict]:
+        # Flattened: one key per (parameter, state) pair. The param groups' hyperparameters are
+        # not saved: they come from the config, and the LR schedule from the step.
+        live = get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
+        return live, {_whole_name(k, 1): v for k, v in live.items() if k.startswith("state.")}
+
+    def for_save(self, step: int, data_position: int) -> dict:
+        state = {"model": self.model_state()[1], "optimizer": self.optimizer_state()[1]}
+        rank, world = rank_world()
+        state["trainer"] = {
+            "step": torch.tensor(step),
+            "data_position": torch.tensor(data_position),
+            "world_size": torch.tensor(world),
+        }
+        state["rng"] = {f"rank{rank}": _rng_state()}
+        return state
+
+    def load(self, path: Path) -> tuple[int, int]:
+        """Loads everything from checkpoint `path`; returns (step, data position)."""
+        live_model, model = self.model_state()
+        live_optim, optim = self.optimizer_state()
+        trainer = {"step": torch.tensor(0), "data_position": torch.tensor(0), "world_size": torch.tensor(0)}
+        reader = SafeReader(path)
+        keys = reader.read_metadata().state_dict_metadata
+        if not any(k.startswith("optimizer.") for k in keys):
+            raise CheckpointError(f"checkpoint.resume={path} holds weights only (a seed or converted "
+                                  f"checkpoint); start from it with checkpoint.initial={path}")
+        _dcp_load({"model": model, "optimizer": optim, "trainer": trainer}, path)
+        set_model_state_dict(self.model, live_model)
+        set_optimizer_state_dict(self.model, self.optimizer, live_optim, options=_FLAT)
+        rank, world = rank_world()
+        # Random state is per rank: it carries over only to the same number of ranks.
+        if f"rng.rank{rank}" in keys and int(trainer["world_size"]) == world:
+            rng = {f"rank{rank}": _rng_state()}
+            _dcp_load({"rng": rng}, path)
+            _set_rng_state(rng[f"rank{rank}"])
+        return int(trainer["step"]), int(trainer["data_position"])
+
+    def load_weights(self, path: Path) -> None:
+        live, model = self.model_state()
+        _dcp_load({"model": model}, path)
+        set_model_state_dict(self.model, live)
+
+
+def _rng_state() -> torch.Tensor:
+    """This rank's CPU (and current CUDA device's) random state, as one byte tensor."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return torch.cat(states)
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu].clone())
+    if state.numel() > cpu and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state[cpu:].clone())
+
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns on every call made without a process group, which is how one-process tools use it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP wraps each rank's failure; its message names the missing key or file
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"cannot load checkpoint {path}: {first[-1] if first else type(e).__name__}") from None
+
+
+def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str = "path") -> None:
+    """Loads weights into `model` (a plain model, or a parallelized model's parts) from a
+    checkpoint of ours (any layout, weights or full training state) or a Hugging Face directory."""
+    from trainer.checkpoint.hf import is_hf_dir, read_hf
+    from trainer.models import copy_full_weights
+
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    path = Path(path)
+    if is_hf_dir(path):
+        saved, weights = read_hf(path)
+        check_model(parts[0].config, saved, f"{key}={path}")
+        for part in parts:
+            copy_full_weights(part, weights)
+        return
+    problem = verify(path, *rank_world())
+    if problem is not None:
+        raise CheckpointError(f"{key}={path} is neither a Hugging Face directory nor a usable checkpoint: {problem}")
+    check_model(parts[0].config, saved_config(path), f"{key}={path}")
+    TrainState(parts).load_weights(path)
+
+
+def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) -> None:
+    """Writes full weights as a weights-only checkpoint (a seed or converted one), from one process."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; choose a new directory")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.structured(cfg), tmp / MODEL_CONFIG)
+    with _quiet_single_process():
+        dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
+    if out.exists():
+        out.rmdir()
+    publish(tmp, out, 0, 0, 1)
+
+
+def saved_config(path: Path) -> ModelConfig | None:
+    from trainer.models import model_config
+
+    file = path / MODEL_CONFIG
+    return model_config(OmegaConf.load(file)) if file.is_file() else None
+
+
+_SAME = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
+         "n_experts", "top_k", "tie_embeddings")
+
+
+def check_model(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None:
+    """A checkpoint loads only into the same architecture; the first difference is the error."""
+    if saved is None:
+        return
+    for name in _SAME:
+        a, b = getattr(saved, name), getattr(ours, name)
+        if a != b and not (isinstance(a, float) and abs(a - b) <= 1e-9 * abs(b)):
+            raise CheckpointError(f"{what} holds a model with model.{name}={a}, but this model has model.{name}={b}")
+
+
