@@ -132,9 +132,14 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path):
         def __reduce__(self):
             return os.system, (f"touch {marker}",)
 
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(CheckpointError, match="does not belong in checkpoint metadata"):
-        SafeReader(tmp_path).read_metadata()
+    class Attribute:  # getattr is allowed for enum members only
+        def __reduce__(self):
+            return getattr, (torch.Size, "__class__")
+
+    for payload in (Payload(), Attribute()):
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(payload))
+        with pytest.raises(CheckpointError, match="does not belong in checkpoint metadata"):
+            SafeReader(tmp_path).read_metadata()
     assert not marker.exists()
 
 

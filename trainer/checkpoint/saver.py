@@ -51,7 +51,6 @@ def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -
     return 0, 0
 
 
-
 class StopSignal:
     """SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption, and what torchrun
     forwards) becomes a request to stop after the current step; the loop saves and exits cleanly."""

@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.checkpoint.files import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
+from trainer.checkpoint.hf import is_hf_dir, read_hf
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
+from trainer.models import copy_full_weights, model_config
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -132,9 +134,6 @@ def _dcp_load(state: dict, path: Path) -> None:
 def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str = "path") -> None:
     """Loads weights into `model` (a plain model, or a parallelized model's parts) from a
     checkpoint of ours (any layout, weights or full training state) or a Hugging Face directory."""
-    from trainer.checkpoint.hf import is_hf_dir, read_hf
-    from trainer.models import copy_full_weights
-
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
     path = Path(path)
     if is_hf_dir(path):
@@ -166,8 +165,6 @@ def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) 
 
 
 def saved_config(path: Path) -> ModelConfig | None:
-    from trainer.models import model_config
-
     file = path / MODEL_CONFIG
     return model_config(OmegaConf.load(file)) if file.is_file() else None
 
