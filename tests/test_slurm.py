@@ -96,9 +96,10 @@ def test_preemption_signal_saves_requeues_and_resumes(slurm, two_node_run, tmp_p
         # What Slurm does before the time limit (--signal=B:USR1@120): signal the batch script.
         subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True, timeout=30)
         wait_until(lambda: "requeueing" in log_of(out, job), 120, "the requeue")
-        # A requeued job waits before it may start again; let it start now.
+        # A requeued job waits about two minutes before it may start again; let it start in a few
+        # seconds (sooner, the nodes may still refuse the previous run's revoked credential).
         wait_until(lambda: state(slurm, job) == "PENDING", 60, "the job to be pending")
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True, timeout=30)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], env=slurm, check=True, timeout=30)
         wait_until(lambda: finished(slurm, job), 300, f"job {job} to finish")
     finally:
         subprocess.run(["scancel", job], env=slurm, timeout=30)

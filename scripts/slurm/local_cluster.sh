@@ -10,6 +10,8 @@
 # accounting, no systemd. State lives in $SLURM_LOCAL_DIR (default /tmp/trainer-slurm).
 set -euo pipefail
 
+# The daemons install to /usr/sbin, which a non-login shell's PATH may lack.
+export PATH=$PATH:/usr/sbin:/sbin
 dir=${SLURM_LOCAL_DIR:-/tmp/trainer-slurm}
 conf=$dir/slurm.conf
 nodes=(n1 n2)
@@ -21,7 +23,7 @@ install() {
         exit 3
     fi
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null 2>&1
 }
 
 write_conf() {
@@ -40,6 +42,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# Look at pending jobs every second (a released requeued job starts at once, not at the next minute).
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
