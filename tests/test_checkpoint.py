@@ -5,6 +5,7 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -145,7 +146,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path):
 
 def test_seed_checkpoint_is_the_starting_point(tmp_path):
     seed = tmp_path / "seed"
-    result = subprocess.run([os.sys.executable, str(REPO / "scripts" / "seed_checkpoint.py"), str(seed),
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "seed_checkpoint.py"), str(seed),
                              "--model", "llama_debug", "--seed", "3"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     model = build_model("llama_debug")
@@ -258,6 +259,6 @@ def children(pid: int) -> list[int]:
     ("checkpoint.initial=/no/such/dir", "config error: checkpoint.initial=/no/such/dir is not a directory"),
 ])
 def test_bad_checkpoint_settings_are_config_errors(override, message, tmp_path):
-    result = subprocess.run([os.sys.executable, str(REPO / "train.py"), "+smoke=cpu", override,
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "+smoke=cpu", override,
                              f"output_dir={tmp_path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith(message), result.stderr[-2000:]
