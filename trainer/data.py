@@ -1,4 +1,5 @@
-"""Data: a byte tokenizer, text the code generates itself, and the per-rank batch split.
+"""Data: text the code generates itself, a user's text files or pre-tokenized binary file packed
+into windows, and the per-rank batch split.
 
 The loader is indexed by step, not iterated: the batch of step s depends only on the seed, the
 global batch size and s, so every layout sees the same global batch and resuming is free.
@@ -6,25 +7,19 @@ global batch size and s, so every layout sees the same global batch and resuming
 
 from __future__ import annotations
 
+import glob
+import json
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from trainer.errors import ConfigError
+from trainer.tokenizer import ByteTokenizer, build_tokenizer, tokenize_document
 
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255; fits any model with vocab_size >= 256."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+VAL_FRACTION = 0.01  # of a packed source's windows, held out (the last ones) for validation
 
 
 _NAMES = "anna ben clara david emma felix grace henry iris jack kate leo mia noah olive paul".split()
@@ -57,6 +52,7 @@ class EmbeddedText(Dataset):
     def __init__(self, seq_len: int, seed: int, size: int = 1_000_000):
         self.seq_len, self.seed, self.size = seq_len, seed, size
         self.tokenizer = ByteTokenizer()
+        self.vocab_size = ByteTokenizer.vocab_size
 
     def __len__(self) -> int:
         return self.size
@@ -69,34 +65,63 @@ class EmbeddedText(Dataset):
         return torch.tensor(ids[: self.seq_len + 1], dtype=torch.long)
 
 
-class TextFile(Dataset):
-    """A local UTF-8 text file, byte-tokenized and cut into consecutive windows."""
+class PackedTokens(Dataset):
+    """A token stream (documents joined by EOS) cut into windows of seq_len + 1 that overlap by
+    one token, so every token is a label exactly once. The last VAL_FRACTION of the windows (at
+    least one) is the validation split."""
 
-    def __init__(self, path: str, seq_len: int):
-        self.seq_len = seq_len
-        self.tokens = torch.tensor(list(Path(path).read_bytes()), dtype=torch.long)
-        if len(self.tokens) <= seq_len:
-            raise ConfigError(f"data.path={path} holds {len(self.tokens)} tokens, fewer than training.seq_len+1")
+    def __init__(self, tokens, seq_len: int, vocab_size: int, split: str, what: str):
+        self.tokens, self.seq_len, self.vocab_size = tokens, seq_len, vocab_size
+        windows = (len(tokens) - 1) // seq_len
+        held_out = max(1, int(windows * VAL_FRACTION))
+        if windows <= held_out:
+            raise ConfigError(f"{what} holds {len(tokens)} tokens, too few for training.seq_len={seq_len} "
+                              f"and a validation split")
+        self.first, self.size = (0, windows - held_out) if split == "train" else (windows - held_out, held_out)
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
+        return self.size
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        start = index * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        start = (self.first + index) * self.seq_len
+        return torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+
+
+def text_paths(pattern: str | None) -> list[str]:
+    """The files a glob (or a plain path) names, sorted; a config error when there are none."""
+    paths = sorted(p for p in glob.glob(pattern) if Path(p).is_file()) if pattern else []
+    if not paths:
+        raise ConfigError(f"data.path={pattern} matches no readable file (needed by data.source=text)")
+    return paths
+
+
+def read_binary(path: str | None) -> tuple[np.ndarray, dict]:
+    """A pre-tokenized file of scripts/prepare_data.py (memory-mapped) and its description."""
+    meta_path = Path(f"{path}.json") if path else None
+    if meta_path is None or not Path(path).is_file() or not meta_path.is_file():
+        raise ConfigError(f"data.path={path} is not a token file with its .json beside it "
+                          f"(write one with scripts/prepare_data.py)")
+    meta = json.loads(meta_path.read_text())
+    return np.memmap(path, dtype=meta["dtype"], mode="r"), meta
 
 
 def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Dataset:
-    if data.tokenizer != "bytes":
-        raise ConfigError(f"data.tokenizer={data.tokenizer} is unknown; this version supports 'bytes'")
     if data.source == "embedded":
+        if data.tokenizer != "bytes":
+            raise ConfigError(f"data.tokenizer={data.tokenizer} needs data.source=text (the embedded text is bytes)")
         # Validation draws from a disjoint stream of the same generator.
         return EmbeddedText(seq_len, seed if split == "train" else seed + 7919)
     if data.source == "text":
-        if not data.path or not Path(data.path).is_file():
-            raise ConfigError(f"data.path={data.path} is not a readable file (needed by data.source=text)")
-        return TextFile(data.path, seq_len)
-    raise ConfigError(f"data.source={data.source} is unknown; choose 'embedded' or 'text'")
+        paths = text_paths(data.path)
+        tokenizer = build_tokenizer(data.tokenizer)
+        tokens = [t for p in paths for t in tokenize_document(Path(p).read_text(errors="replace"), tokenizer)]
+        return PackedTokens(np.array(tokens, dtype=np.int64), seq_len, tokenizer.vocab_size, split, f"data.path={data.path}")
+    if data.source == "binary":
+        tokens, meta = read_binary(data.path)
+        return PackedTokens(tokens, seq_len, meta["vocab_size"], split, f"data.path={data.path}")
+    raise ConfigError(f"data.source={data.source} is unknown; choose 'embedded', 'text' or 'binary'")
 
 
 class BatchLoader:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import Checkpointer, TrainState, restore
 from trainer.config import CheckpointConfig, JobConfig
-from trainer.data import BatchLoader, ByteTokenizer, build_dataset
+from trainer.data import BatchLoader, build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError
 from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_memory_gib, peak_tflops
@@ -64,8 +64,6 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         value = getattr(t.mixed_precision, key)
         if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
             raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
-    if job.model.vocab_size < ByteTokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {ByteTokenizer.vocab_size}")
     if dims.pp_enabled and job.validation.every > 0:
         raise ConfigError(f"validation.every={job.validation.every} is not supported with parallel.pp={dims.pp} yet; "
                           f"set validation.every=0")
@@ -98,6 +96,9 @@ def run(cfg: DictConfig) -> None:
     checkpoint = check_checkpoint(job.checkpoint)
     dataset = build_dataset(job.data, job.training.seq_len, job.training.seed)
     val_dataset = build_dataset(job.data, job.training.seq_len, job.training.seed, split="val")
+    if dataset.vocab_size > job.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
+                          f"(data.tokenizer={job.data.tokenizer})")
     init_distributed(device)
     try:
         train(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset)
