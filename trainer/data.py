@@ -7,6 +7,7 @@ global batch size and s, so every layout sees the same global batch and resuming
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import random
@@ -97,6 +98,14 @@ def text_paths(pattern: str | None) -> list[str]:
     return paths
 
 
+@functools.lru_cache(maxsize=1)
+def _text_stream(paths: tuple[str, ...], tokenizer_spec: str) -> tuple[np.ndarray, int]:
+    """The files' token stream (tokenized once for the training and validation splits)."""
+    tokenizer = build_tokenizer(tokenizer_spec)
+    tokens = [t for p in paths for t in tokenize_document(Path(p).read_text(errors="replace"), tokenizer)]
+    return np.array(tokens, dtype=np.int64), tokenizer.vocab_size
+
+
 def read_binary(path: str | None) -> tuple[np.ndarray, dict]:
     """A pre-tokenized file of scripts/prepare_data.py (memory-mapped) and its description."""
     meta_path = Path(f"{path}.json") if path else None
@@ -114,10 +123,8 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
         # Validation draws from a disjoint stream of the same generator.
         return EmbeddedText(seq_len, seed if split == "train" else seed + 7919)
     if data.source == "text":
-        paths = text_paths(data.path)
-        tokenizer = build_tokenizer(data.tokenizer)
-        tokens = [t for p in paths for t in tokenize_document(Path(p).read_text(errors="replace"), tokenizer)]
-        return PackedTokens(np.array(tokens, dtype=np.int64), seq_len, tokenizer.vocab_size, split, f"data.path={data.path}")
+        tokens, vocab_size = _text_stream(tuple(text_paths(data.path)), data.tokenizer)
+        return PackedTokens(tokens, seq_len, vocab_size, split, f"data.path={data.path}")
     if data.source == "binary":
         tokens, meta = read_binary(data.path)
         return PackedTokens(tokens, seq_len, meta["vocab_size"], split, f"data.path={data.path}")
