@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.checkpoint.files import MODEL_CONFIG  # noqa: E402
-from trainer.checkpoint.state import check_model, load_weights, save_weights  # noqa: E402
+from trainer.checkpoint.state import check_model, load_weights, save_weights, saved_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.checkpoint.hf import read_hf, write_hf  # noqa: E402
 from trainer.models import build_model, materialize, model_config  # noqa: E402
@@ -34,12 +34,9 @@ def from_hf(hf_dir: Path, out: Path, model: str | None) -> None:
 
 
 def to_hf(checkpoint: Path, out: Path, model: str | None) -> None:
-    saved = checkpoint / MODEL_CONFIG
-    if model is None and not saved.is_file():
+    cfg = model_config(model) if model is not None else saved_config(checkpoint)
+    if cfg is None:
         raise ConfigError(f"{checkpoint} has no {MODEL_CONFIG}; name the model with --model")
-    from omegaconf import OmegaConf
-
-    cfg = model_config(model if model is not None else OmegaConf.load(saved))
     net = build_model(cfg, device="meta")
     materialize(net, "cpu")
     load_weights(net, checkpoint)

@@ -41,8 +41,8 @@ def _tokenize(path: str) -> np.ndarray:
 
 def prepare(pattern: str, out: Path, tokenizer: str, workers: int) -> dict:
     paths = text_paths(pattern)
-    vocab_size = build_tokenizer(tokenizer).vocab_size
-    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    tok = build_tokenizer(tokenizer)
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     started, tokens = time.perf_counter(), 0
@@ -55,8 +55,8 @@ def prepare(pattern: str, out: Path, tokenizer: str, workers: int) -> dict:
             progress.update(os.path.getsize(path))
         progress.close()
     seconds = time.perf_counter() - started
-    meta = {"dtype": np.dtype(dtype).name, "tokens": tokens, "vocab_size": vocab_size, "tokenizer": tokenizer,
-            "eos_id": build_tokenizer(tokenizer).eos_id, "files": len(paths)}
+    meta = {"dtype": np.dtype(dtype).name, "tokens": tokens, "vocab_size": tok.vocab_size, "tokenizer": tokenizer,
+            "eos_id": tok.eos_id, "files": len(paths)}
     Path(f"{out}.json").write_text(json.dumps(meta, indent=1))
     tmp.rename(out)
     print(f"{tokens:,} tokens from {len(paths)} files in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s "

@@ -116,34 +116,31 @@ def publish(tmp: Path, final: Path, step: int, rank: int, world: int) -> None:
 
 def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     """Collective: None if checkpoint `path` is complete and undamaged, else what is wrong."""
-    problem = None
+    found = [p for p in _gather(_problem(path, rank, world), world) if p]
+    return found[0] if found else None
+
+
+def _problem(path: Path, rank: int, world: int) -> str | None:
+    """What is wrong with this rank's share of checkpoint `path`'s files, if anything."""
     manifest = path / MANIFEST
     if not path.is_dir():
-        problem = "no such directory"
-    elif not manifest.is_file():
-        problem = f"no {MANIFEST}: an incomplete save, or not a checkpoint of this trainer"
-    if problem is None:
-        try:
-            expected = json.loads(manifest.read_text())["files"]
-        except (ValueError, KeyError) as e:
-            problem = f"{MANIFEST} is unreadable ({e})"
-    if problem is None:
-        missing = sorted(set(expected) - {p.name for p in _files(path)})
-        if missing:
-            problem = f"missing {missing[0]}"
-    if problem is None:
-        names = sorted(expected)[rank::world]
-        for name in names:
-            size, crc = (path / name).stat().st_size, None
-            if size != expected[name][0]:
-                problem = f"{name} is {size} bytes, the manifest says {expected[name][0]}"
-                break
-            crc = _crc32(path / name)
-            if crc != expected[name][1]:
-                problem = f"{name} is damaged (CRC32 {crc:08x}, the manifest says {expected[name][1]:08x})"
-                break
-    found = [p for p in _gather(problem, world) if p]
-    return found[0] if found else None
+        return "no such directory"
+    if not manifest.is_file():
+        return f"no {MANIFEST}: an incomplete save, or not a checkpoint of this trainer"
+    try:
+        expected = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    missing = sorted(set(expected) - {p.name for p in _files(path)})
+    if missing:
+        return f"missing {missing[0]}"
+    for name in sorted(expected)[rank::world]:
+        size, crc = expected[name]
+        if (path / name).stat().st_size != size:
+            return f"{name} is {(path / name).stat().st_size} bytes, the manifest says {size}"
+        if (actual := _crc32(path / name)) != crc:
+            return f"{name} is damaged (CRC32 {actual:08x}, the manifest says {crc:08x})"
+    return None
 
 
 def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:

@@ -119,7 +119,7 @@ def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         return tensors[name]
 
     weights = {ours: take(hf) for ours, hf in _names(cfg).items()}
-    for i in range(cfg.n_experts and cfg.n_layers):
+    for i in range(cfg.n_layers) if cfg.n_experts else ():
         for w in ("w1", "w2", "w3"):
             weights[f"layers.{i}.feed_forward.experts.{w}"] = torch.stack([take(n) for n in _expert_names(cfg, i, w)])
     if cfg.tie_embeddings:
@@ -132,7 +132,7 @@ def write_hf(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) -> N
     from safetensors.torch import save_file
 
     tensors = {hf: weights[ours] for ours, hf in _names(cfg).items()}
-    for i in range(cfg.n_experts and cfg.n_layers):
+    for i in range(cfg.n_layers) if cfg.n_experts else ():
         for w in ("w1", "w2", "w3"):
             stacked = weights[f"layers.{i}.feed_forward.experts.{w}"]
             tensors |= dict(zip(_expert_names(cfg, i, w), stacked.unbind(0)))
