@@ -1,7 +1,7 @@
 """SPEC §8: every parallel layout reproduces the single-process loss curve.
 
 One seed, one global batch, ten steps of llama_debug in fp32. The 1-rank run is the reference;
-each layout's per-step losses must match it within 1e-4 relative. The gradient norms must match
+each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient norms must match
 too (1e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
 """
 
@@ -25,6 +25,7 @@ GRAD_NORM_RTOL = 1e-3
 COMMON = (
     "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
     "training.global_batch_size=8", "training.lr=3e-3", "training.warmup_steps=2",
+    "validation.every=5", "validation.steps=1",
 )
 
 # name -> (ranks, recipe and overrides)
@@ -110,6 +111,11 @@ def check_against(reference: list[dict], records: list[dict], layout: str, rtol:
     norms, expected_norms = [r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]
     assert max_relative_difference(norms, expected_norms) <= grad_norm_rtol, (
         f"{layout} gradient norms {norms} differ from the 1-rank run's {expected_norms}"
+    )
+    # Validation runs its own forward path (stage after stage under pipeline parallel).
+    val, expected_val = ([r["val_loss"] for r in rs if "val_loss" in r] for rs in (records, reference))
+    assert len(val) == 2 and max(abs(a - b) / b for a, b in zip(val, expected_val)) <= rtol, (
+        f"{layout} validation losses {val} differ from the 1-rank run's {expected_val}"
     )
     # The run learned something, so agreement is not that of two flat curves.
     assert losses[-1] < 0.8 * losses[0]

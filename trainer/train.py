@@ -25,7 +25,14 @@ from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel import PARALLELIZE
 from trainer.parallel.context_parallel import shard_batch
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.pipeline import build_schedule, keep_modules, split_modules, stage_ids
+from trainer.parallel.pipeline import (
+    build_schedule,
+    forward_only,
+    keep_modules,
+    split_modules,
+    stage_ids,
+    stage_owners,
+)
 from trainer.parallel.tensor_parallel import loss_parallel_context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,9 +71,6 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         value = getattr(t.mixed_precision, key)
         if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
             raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
-    if dims.pp_enabled and job.validation.every > 0:
-        raise ConfigError(f"validation.every={job.validation.every} is not supported with parallel.pp={dims.pp} yet; "
-                          f"set validation.every=0")
     if job.metrics.log_every < 1:
         raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
     peak = job.metrics.peak_tflops
@@ -124,7 +128,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         total = sum(p.numel() for p in model.parameters())
         print(describe_layout(dims, total, sum(p.numel() for p in held), param_mib), flush=True)
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
-    step_fn = make_step_fn(job, dims, device, parts, stages, loss_parallel)
+    step_fn, eval_fn = make_step_fns(job, dims, device, parts, stages, loss_parallel)
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
@@ -182,8 +186,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
             if moe_stats is not None:
                 record |= moe_stats.report(layer_copies=dims.world_size // dims.pp)
             if validate:
-                val_batches = partial(microbatches, val_loader)
-                record["val_loss"] = evaluate(parts[0], val_batches, job.validation.steps, device, dims, loss_parallel)
+                val_losses = [eval_fn(microbatches(val_loader, i)) for i in range(job.validation.steps)]
+                record["val_loss"] = job_loss(torch.stack(val_losses).mean(), dims)
             logger.log(record)
             last_step, last_time = step, time.perf_counter()
         if checkpointer is not None and checkpointer.after_step(step, t.steps,
@@ -229,11 +233,25 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
     return parts, stages
 
 
-def make_step_fn(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
-                 stages: list[int], loss_parallel: bool):
-    """The forward-and-backward of one optimizer step: microbatches -> this rank's mean loss."""
+def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
+                  stages: list[int], loss_parallel: bool):
+    """The forward and backward of one optimizer step, and the forward only (validation): each maps
+    this rank's microbatches to its mean loss (0 on pipeline ranks without the last stage)."""
+    pp_group = dims.view("pp").get_group() if dims.pp_enabled else None
+    owners = stage_owners(dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
+    pp_rank = dims.view("pp").get_local_rank()
+
+    def eval_fn(microbatches: list) -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for inputs, labels, positions in microbatches:
+            logits = forward_only(parts, stages, owners, pp_rank, pp_group, inputs.to(device), positions.to(device))
+            if logits is not None:
+                with loss_parallel_context(loss_parallel):
+                    total += _local(cross_entropy(logits, labels.to(device))) / len(microbatches)
+        return total
+
     if not dims.pp_enabled:
-        return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel)
+        return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel), eval_fn
     accum, n_microbatches = job.training.grad_accum_steps, dims.pp_microbatches
 
     def loss_fn(logits, labels):
@@ -241,10 +259,11 @@ def make_step_fn(job: JobConfig, dims: ParallelDims, device: torch.device, parts
         return cross_entropy(logits, labels) / (accum * n_microbatches)
 
     n_stages = dims.pp * dims.pp_stages_per_rank
-    schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, dims.view("pp").get_group(), device,
+    schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, pp_group, device,
                               n_microbatches, loss_fn)
-    return partial(pipeline_step, schedule, device=device, loss_parallel=loss_parallel, first=0 in stages,
+    step = partial(pipeline_step, schedule, device=device, loss_parallel=loss_parallel, first=0 in stages,
                    last=n_stages - 1 in stages)
+    return step, eval_fn
 
 
 def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
@@ -289,19 +308,6 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_pa
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-@torch.no_grad()
-def evaluate(model, microbatches, steps: int, device: torch.device, dims: ParallelDims, loss_parallel: bool) -> float:
-    """The mean loss over the first `steps` steps' batches of `microbatches(step)`."""
-    total = torch.zeros((), device=device)
-    for step in range(steps):
-        batches = microbatches(step)
-        for inputs, labels, positions in batches:
-            with loss_parallel_context(loss_parallel):
-                loss = cross_entropy(model(inputs.to(device), positions.to(device)), labels.to(device))
-            total += _local(loss) / (len(batches) * steps)
-    return job_loss(total, dims)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

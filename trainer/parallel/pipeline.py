@@ -3,10 +3,15 @@
 Each stage is the whole model's module tree, built on meta, with the modules of other stages
 removed, so parameter names (and the layout-independent initialisation) are those of the whole
 model. A rank holds one stage (gpipe, 1f1b) or several (the interleaved and V-shaped schedules).
+
+Validation runs the stages one after another (`forward_only`) rather than through a schedule:
+torch 2.13's V-shaped schedules cannot run without backward.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -120,3 +125,34 @@ def build_schedule(schedule: str, stages: list[nn.Module], ids: list[int], n_sta
     # shrinks the gradients of earlier accumulation steps again; `loss_fn` carries the whole scale.
     stage_arg = pipeline_stages[0] if schedule in SINGLE_STAGE else pipeline_stages
     return SCHEDULES[schedule](stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def stage_owners(pp: int, per_rank: int, schedule: str) -> list[int]:
+    """The pipeline rank that runs each stage, by stage index."""
+    owners = {stage: rank for rank in range(pp) for stage in stage_ids(rank, pp, per_rank, schedule)}
+    return [owners[stage] for stage in range(len(owners))]
+
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@torch.no_grad()
+def forward_only(parts: list[nn.Module], stages: list[int], owners: list[int], pp_rank: int, group,
+                 inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The model's output for `inputs`, stage after stage, each rank running its own and passing the
+    hidden states [batch, seq, dim] on; the output on the rank of the last stage, None elsewhere."""
+    x = inputs
+    for stage, owner in enumerate(owners):
+        previous = owners[stage - 1] if stage else owner
+        if owner == pp_rank:
+            if previous != pp_rank:
+                header = torch.empty(4, dtype=torch.long, device=inputs.device)  # dtype, then the shape
+                dist.recv(header, group=group, group_src=previous)
+                x = torch.empty(header[1:].tolist(), dtype=_WIRE_DTYPES[header[0]], device=inputs.device)
+                dist.recv(x, group=group, group_src=previous)
+            x = parts[stages.index(stage)](x, positions)
+        elif previous == pp_rank:
+            header = torch.tensor([_WIRE_DTYPES.index(x.dtype), *x.shape], device=x.device)
+            dist.send(header, group=group, group_dst=owner)
+            dist.send(x.contiguous(), group=group, group_dst=owner)
+    return x if owners[-1] == pp_rank else None
