@@ -3,14 +3,17 @@ when the vocabulary fits, else uint32) in OUT, described by OUT.json; train with
 `data.source=binary data.path=OUT`.
 
     python scripts/prepare_data.py 'corpus/*.txt' data/corpus.bin [--tokenizer PATH|bytes] [--workers 4]
+    python scripts/prepare_data.py 'corpus/*.jsonl' data/corpus.bin --source json --text-field text
 
-Each file is a document, followed by the tokenizer's end-of-sequence token, in sorted path order:
-the same stream as `data.source=text data.path='corpus/*.txt'` reads.
+The documents (each text file, or each row of json/jsonl/parquet files) are cut into pieces that
+several processes tokenize at once, in order: the same stream as `data.source=text` (or json,
+parquet) with the same `data.path` reads, whatever the number of workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -23,56 +26,64 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.data import text_paths  # noqa: E402
+from trainer.data import documents  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.tokenizer import build_tokenizer, tokenize_document  # noqa: E402
+from trainer.tokenizer import CHUNK_CHARS, build_tokenizer, encode_pieces, pieces  # noqa: E402
 
-_tokenizer = None
-
-
-def _start(spec: str) -> None:
-    global _tokenizer
-    _tokenizer = build_tokenizer(spec)
+GROUP_CHARS = 4 * CHUNK_CHARS  # text handed to a worker at once
 
 
-def _tokenize(path: str) -> np.ndarray:
-    return np.array(tokenize_document(Path(path).read_text(errors="replace"), _tokenizer), dtype=np.int64)
+def _groups(pieces_):
+    """Consecutive pieces in groups of about GROUP_CHARS characters (many small documents make one)."""
+    group, size = [], 0
+    for piece in pieces_:
+        group.append(piece)
+        size += len(piece[0])
+        if size >= GROUP_CHARS:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
-def prepare(pattern: str, out: Path, tokenizer: str, workers: int) -> dict:
-    paths = text_paths(pattern)
+def _tokenize(args: tuple[list, str]) -> tuple[np.ndarray, int]:
+    group, spec = args
+    return encode_pieces(group, build_tokenizer(spec)), sum(len(text) for text, _, _ in group)
+
+
+def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: str, workers: int) -> dict:
     tok = build_tokenizer(tokenizer)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    groups = _groups(pieces(documents(source, pattern, text_field)))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     started, tokens = time.perf_counter(), 0
-    with Pool(workers, initializer=_start, initargs=(tokenizer,)) as pool, open(tmp, "wb") as f:
-        progress = tqdm(total=sum(os.path.getsize(p) for p in paths), unit="B", unit_scale=True, desc="tokenizing")
-        # imap keeps the files' order: the stream is the same with any number of workers.
-        for path, ids in zip(paths, pool.imap(_tokenize, paths)):
+    with Pool(workers) as pool, open(tmp, "wb") as f, tqdm(unit="char", unit_scale=True, desc="tokenizing") as bar:
+        # imap keeps the order: the stream is the same with any number of workers.
+        for ids, chars in pool.imap(_tokenize, zip(groups, itertools.repeat(tokenizer))):
             f.write(ids.astype(dtype).tobytes())
             tokens += len(ids)
-            progress.update(os.path.getsize(path))
-        progress.close()
+            bar.update(chars)
     seconds = time.perf_counter() - started
     meta = {"dtype": np.dtype(dtype).name, "tokens": tokens, "vocab_size": tok.vocab_size, "tokenizer": tokenizer,
-            "eos_id": tok.eos_id, "files": len(paths)}
+            "eos_id": tok.eos_id, "bos_id": tok.bos_id, "source": source, "path": pattern}
     Path(f"{out}.json").write_text(json.dumps(meta, indent=1))
     tmp.rename(out)
-    print(f"{tokens:,} tokens from {len(paths)} files in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s "
-          f"({workers} workers) -> {out}")
+    print(f"{tokens:,} tokens in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s ({workers} workers) -> {out}")
     return meta
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", help="a glob of text files (quote it)")
+    parser.add_argument("inputs", help="a glob of files (quote it)")
     parser.add_argument("out", type=Path)
+    parser.add_argument("--source", choices=("text", "json", "parquet"), default="text")
+    parser.add_argument("--text-field", default="text", help="the column holding the text (json, parquet)")
     parser.add_argument("--tokenizer", default="bytes", help="bytes, or a tokenizer.json or a directory holding one")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     try:
-        prepare(args.inputs, args.out, args.tokenizer, args.workers)
+        prepare(args.inputs, args.out, args.source, args.text_field, args.tokenizer, args.workers)
     except ConfigError as e:
         sys.exit(f"error: {e}")
 

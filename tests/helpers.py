@@ -28,15 +28,17 @@ def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_arg
     ]
 
 
-def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs train.py on `nproc` local gloo ranks; output goes to `output_dir`."""
+def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs train.py on `nproc` local gloo ranks (`env` adds to their environment); output goes to `output_dir`."""
     cmd = torchrun_command(nproc, *overrides, output_dir=output_dir)
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
-def train_metrics(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> list[dict]:
+def train_metrics(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
+                  env: dict | None = None) -> list[dict]:
     """The metrics.jsonl records of a run that must succeed."""
-    result = torchrun(nproc, *overrides, output_dir=output_dir, timeout=timeout)
+    result = torchrun(nproc, *overrides, output_dir=output_dir, timeout=timeout, env=env)
     assert result.returncode == 0, f"run failed:\n{failure_report(result)}"
     return read_metrics(output_dir)
 

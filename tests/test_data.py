@@ -1,17 +1,34 @@
-"""The data sources (embedded, text files, prepared binary), tokenizers, packing, and the split
-of each global batch over data-parallel ranks."""
+"""The data sources (embedded, text/json/parquet files, a streamed dataset, prepared binary),
+tokenizers, packing, document masking, and the split of each global batch over data-parallel ranks."""
 
+import collections
 import json
+import math
+import random
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import REPO, torchrun, train_metrics
 
+from trainer import build_model
 from trainer.config import DataConfig
-from trainer.data import BatchLoader, ByteTokenizer, EmbeddedText, build_dataset
+from trainer.data import (
+    STREAM_VAL_WINDOWS,
+    BatchLoader,
+    ByteTokenizer,
+    EmbeddedText,
+    Prefetcher,
+    _sentence,
+    build_dataset,
+    document_positions,
+)
 from trainer.errors import ConfigError
+from trainer.models.llama import attend_within_documents
 from trainer.tokenizer import build_tokenizer
 
 
@@ -61,6 +78,43 @@ def test_global_batch_does_not_depend_on_the_layout():
     assert not torch.equal(global_batch(loader_for, 1, 1, 0), global_batch(loader_for, 1, 1, 1))
 
 
+def test_resume_mid_epoch_with_another_data_parallel_size_continues_at_the_same_sample():
+    """A run stopped after k steps saved its position (sequences consumed); a loader of any dp size
+    (and global batch) that starts there reads the sequences the uninterrupted run would have."""
+    data = EmbeddedText(seq_len=8, seed=0, size=30)
+
+    def loader_for(rank, dp_size, grad_accum=1, pp_microbatches=1, offset=0):
+        loader = BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size, grad_accum=grad_accum, seed=3,
+                             pp_microbatches=pp_microbatches)
+        loader.offset = offset
+        return loader
+
+    uninterrupted = [global_batch(loader_for, 2, 1, step) for step in range(8)]  # 64 sequences: 2 epochs and more
+    position = loader_for(0, 2).position(steps=2)  # mid-epoch: 16 of 30 sequences read
+    for dp_size in (1, 2, 4):
+        def resumed(rank, dp, accum, pp, dp_size=dp_size):
+            return loader_for(rank, dp, accum, pp, offset=position)
+
+        for step in range(6):  # on across the epoch boundary
+            assert torch.equal(global_batch(resumed, dp_size, 1, step), uninterrupted[2 + step])
+
+
+def test_prefetcher_computes_the_next_step_in_the_background():
+    threads, computed = set(), []
+
+    def batch(step):
+        threads.add(threading.current_thread().name)
+        computed.append(step)
+        return step * 10
+
+    prefetch = Prefetcher(batch)
+    assert [prefetch(step) for step in range(3)] == [0, 10, 20]
+    time.sleep(0.1)
+    assert computed == [0, 1, 2, 3] and threads == {"prefetch_0"}  # step 3 waits, ready, for its turn
+    assert prefetch(7) == 70  # a step out of order is computed then
+    prefetch.close()
+
+
 def test_text_file_source(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("hello world " * 100)
@@ -107,21 +161,102 @@ def test_prepared_binary_file_is_the_same_stream(tmp_path):
     assert len(text) == len(binary) and all(torch.equal(a, b) for a, b in zip(text, binary))
 
 
-def test_hugging_face_tokenizer(tmp_path):
+def test_json_jsonl_and_parquet_rows_are_documents(tmp_path):
+    """Rows of json, jsonl and parquet files (read through Hugging Face datasets) are documents,
+    the text in data.text_field: the same stream as text files holding them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"row {i}: " + "some words " * (i + 3) for i in range(12)]
+    (tmp_path / "txt").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "txt" / f"{i:02d}.txt").write_text(text)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(texts[:6])))
+    (tmp_path / "b.json").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts[6:]))
+    pq.write_table(pa.table({"body": texts[:6]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"body": texts[6:]}), tmp_path / "b.parquet")
+    expected = all_windows(DataConfig(source="text", path=str(tmp_path / "txt" / "*.txt")), seq_len=16)
+    for source, pattern in (("json", "*.json*"), ("parquet", "*.parquet")):
+        config = DataConfig(source=source, path=str(tmp_path / pattern), text_field="body")
+        windows = all_windows(config, seq_len=16)
+        assert len(windows) == len(expected) and all(torch.equal(a, b) for a, b in zip(windows, expected)), source
+    with pytest.raises(ConfigError, match=r"data.text_field=text is not a column of .*; its columns are \['body', 'id'\]"):
+        build_dataset(DataConfig(source="json", path=str(tmp_path / "a.jsonl")), seq_len=16, seed=0)
+
+
+def test_hub_dataset_streams_in_order(tmp_path):
+    """data.source=hub streams a dataset by name (here a local folder, as the Hub would serve it):
+    the first windows are the validation split, training reads on from there in stream order, and
+    the stream starts over at its end."""
+    texts = [" ".join(_sentence(random.Random(i)) for _ in range(4)) for i in range(400)]
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    config = DataConfig(source="hub", path=str(tmp_path / "hub"))
+    stream = [t for text in texts for t in [*text.encode(), ByteTokenizer.eos_id]]
+    val, train = (build_dataset(config, seq_len=8, seed=0, split=split) for split in ("val", "train"))
+    assert len(val) == STREAM_VAL_WINDOWS and val[3].tolist() == stream[24:33]
+    loader = BatchLoader(train, global_batch=4, dp_rank=1, dp_size=2, grad_accum=1, seed=0)
+    ((inputs, labels),) = loader.microbatches(step=2)  # sequences 8..11 of the stream; rank 1 reads 10 and 11
+    first = 8 * (STREAM_VAL_WINDOWS + 10)
+    assert inputs[0].tolist() == stream[first : first + 8] and inputs[1].tolist() == stream[first + 8 : first + 16]
+    wrapped = (len(stream) - 1) // 8 + 5 - STREAM_VAL_WINDOWS  # a window past the stream's end
+    assert train[wrapped].tolist() == (stream * 2)[8 * (wrapped + STREAM_VAL_WINDOWS):][:9]
+    assert train[0].tolist() == stream[8 * STREAM_VAL_WINDOWS:][:9]  # going back reads the stream again
+
+
+def test_unreachable_hub_dataset_fails_fast_naming_it():
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match="data.path=no-such-user/no-such-dataset: cannot stream the Hugging Face "
+                                          "dataset no-such-user/no-such-dataset"):
+        build_dataset(DataConfig(source="hub", path="no-such-user/no-such-dataset"), seq_len=8, seed=0)
+    assert time.perf_counter() - started < 30
+
+
+def test_hugging_face_tokenizer_with_bos_and_eos(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
-        vocab_size=60, special_tokens=["<|endoftext|>"]))
+        vocab_size=60, special_tokens=["<|endoftext|>", "<s>", "</s>"]))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("the cat sat on the mat " * 50)
+    (tmp_path / "docs" / "b.txt").write_text("the mat")
     hf = build_tokenizer(str(tmp_path))
-    assert hf.eos_id == 0 and hf.vocab_size == tokenizer.get_vocab_size()
-    config = DataConfig(source="text", path=str(tmp_path / "docs" / "a.txt"), tokenizer=str(tmp_path))
+    assert hf.eos_id == 0 and hf.bos_id is None and hf.vocab_size == tokenizer.get_vocab_size()
+    config = DataConfig(source="text", path=str(tmp_path / "docs" / "*.txt"), tokenizer=str(tmp_path))
     data = build_dataset(config, seq_len=8, seed=0)
     assert data.vocab_size == hf.vocab_size and hf.decode(data[0].tolist()).startswith("the cat sat")
+    # A Llama-style config: documents start with BOS and end with EOS.
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    tokenizer.save(str(llama / "tokenizer.json"))
+    (llama / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    hf = build_tokenizer(str(llama))
+    assert (hf.bos_id, hf.eos_id) == (1, 2)
+    windows = all_windows(DataConfig(source="text", path=str(tmp_path / "docs" / "*.txt"), tokenizer=str(llama)), 8)
+    tokens = [windows[0][0].item(), *(t for w in windows for t in w[1:].tolist())]
+    a, b = (hf.encode((tmp_path / "docs" / name).read_text()) for name in ("a.txt", "b.txt"))
+    expected = [1, *a, 2, 1, *b, 2]
+    assert tokens == expected[: len(tokens)] and len(expected) - len(tokens) < 8
+
+
+def test_document_mask_keeps_attention_within_each_document():
+    """With documents packed into one sequence, each document's logits are those of the document
+    alone: positions restart after each EOS and attention does not cross it."""
+    eos = ByteTokenizer.eos_id
+    model = build_model("llama_debug")
+    a, b = torch.randint(1, 256, (1, 10)), torch.randint(1, 256, (1, 7))
+    packed = torch.cat([a, torch.tensor([[eos]]), b], dim=1)
+    positions = document_positions(packed, eos)
+    assert positions.tolist() == [[*range(11), *range(7)]]
+    without = model(packed)
+    attend_within_documents(model)
+    logits = model(packed, positions)
+    torch.testing.assert_close(logits[:, 11:], model(b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[:, :11], without[:, :11], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits[:, 11:], without[:, 11:], atol=1e-3)
 
 
 def test_missing_data_path_is_a_config_error(tmp_path):
@@ -133,24 +268,59 @@ def test_missing_data_path_is_a_config_error(tmp_path):
         build_dataset(DataConfig(source="binary", path=str(tmp_path / "missing.bin")), seq_len=32, seed=0)
     with pytest.raises(ConfigError, match="data.tokenizer=.*nothing is neither 'bytes' nor a tokenizer.json"):
         build_tokenizer(str(tmp_path / "nothing"))
-    with pytest.raises(ConfigError, match="data.source=hub is unknown"):
+    with pytest.raises(ConfigError, match="data.source=s3 is unknown"):
+        build_dataset(DataConfig(source="s3"), seq_len=32, seed=0)
+    with pytest.raises(ConfigError, match="data.path=None must name a Hugging Face dataset"):
         build_dataset(DataConfig(source="hub"), seq_len=32, seed=0)
 
 
-def test_training_on_text_files_with_validation(tmp_path):
-    """The trainer reads a glob of the user's files, holds out the last windows, and both losses fall."""
-    folder = tmp_path / "corpus"
+def write_corpus(folder: Path, n_files: int, docs_per_file: int = 150) -> Path:
+    """Text files of English-like documents (the embedded generator's sentences), blank-line separated."""
     folder.mkdir()
-    for i in range(4):
-        (folder / f"{i}.txt").write_text(" ".join(EmbeddedText(seq_len=4000, seed=i).tokenizer.decode(
-            EmbeddedText(seq_len=4000, seed=i)[j].tolist()) for j in range(3)))
-    records = train_metrics(2, "+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "data.source=text",
-                            f"data.path={folder}/*.txt", "training.seq_len=64", "validation.every=10",
-                            "validation.steps=1", output_dir=tmp_path / "run")
+    for f in range(n_files):
+        rng = random.Random(f)
+        docs = [" ".join(_sentence(rng) for _ in range(rng.randrange(3, 30))) for _ in range(docs_per_file)]
+        (folder / f"{f}.txt").write_text("\n\n".join(docs))
+    return folder
+
+
+def test_training_on_json_rows_with_separate_validation_files(tmp_path):
+    """Two ranks train on jsonl rows and validate on other files (validation.path); both losses fall."""
+    corpus = write_corpus(tmp_path / "corpus", n_files=3, docs_per_file=40)
+    for f, name in enumerate(("train_0", "train_1", "val")):
+        rows = (corpus / f"{f}.txt").read_text().split("\n\n")
+        (corpus / f"{name}.jsonl").write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    records = train_metrics(2, "+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "data.source=json",
+                            f"data.path={corpus}/train_*.jsonl", f"validation.path={corpus}/val.jsonl",
+                            "training.seq_len=64", "validation.every=10", "validation.steps=1",
+                            output_dir=tmp_path / "run")
     losses, val = [r["loss"] for r in records], [r["val_loss"] for r in records if "val_loss" in r]
     assert losses[-1] < 0.6 * losses[0] and len(val) == 2 and val[-1] < val[0] and val[-1] < 0.6 * losses[0]
 
 
-def test_tokenizer_larger_than_the_model_vocabulary_is_a_config_error(tmp_path):
-    result = torchrun(1, "model=llama_debug", "+smoke=cpu", "model.vocab_size=200", output_dir=tmp_path)
-    assert "config error: model.vocab_size=200 must be >= the tokenizer's 256 (data.tokenizer=bytes)" in result.stderr
+def test_real_text_validation_loss_falls_well_below_the_unigram_entropy(tmp_path):
+    """200 steps of llama_debug on a text corpus: the held-out loss ends far below the entropy of
+    the corpus's byte frequencies (what a model that ignores context can reach)."""
+    corpus = write_corpus(tmp_path / "corpus", n_files=4)
+    text = b"".join(p.read_bytes() for p in sorted(corpus.glob("*.txt")))
+    counts = collections.Counter(text)
+    unigram_entropy = -sum(c / len(text) * math.log(c / len(text)) for c in counts.values())  # nats per byte
+    env = {"OMP_NUM_THREADS": "2"}  # one process, both cores
+    records = train_metrics(1, "model=llama_debug", "+smoke=cpu", "data.source=text", f"data.path={corpus}/*.txt",
+                            "training.steps=200", "training.seq_len=64", "training.lr=3e-3", "validation.every=200",
+                            "validation.steps=4", "metrics.log_every=50", output_dir=tmp_path / "run", env=env)
+    val_loss = records[-1]["val_loss"]
+    print(f"unigram entropy {unigram_entropy:.3f} nats, validation loss after 200 steps {val_loss:.3f}")
+    assert val_loss < 0.5 * unigram_entropy
+
+
+@pytest.mark.parametrize("ranks, overrides, message", [
+    (2, ("parallel.cp=2", "data.document_mask=true"),
+     "config error: data.document_mask=true cannot be combined with parallel.cp=2 yet"),
+    (1, ("validation.path=elsewhere/*.txt",), "config error: validation.path=elsewhere/*.txt needs files of your own"),
+    (1, ("model.vocab_size=200",),
+     "config error: model.vocab_size=200 must be >= the tokenizer's 256 (data.tokenizer=bytes)"),
+])
+def test_data_config_errors(ranks, overrides, message, tmp_path):
+    result = torchrun(ranks, "model=llama_debug", "+smoke=cpu", *overrides, output_dir=tmp_path)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

@@ -5,13 +5,15 @@ each layout's per-step losses (and its two validation losses) must match it with
 too (1e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
 """
 
+import random
+
 import pytest
 import torch
 from helpers import train_metrics
 
 from trainer import build_model
 from trainer.config import JobConfig
-from trainer.data import BatchLoader, build_dataset
+from trainer.data import BatchLoader, _sentence, build_dataset
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
@@ -138,6 +140,39 @@ def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
     for key in ("expert_load_min", "expert_load_max", "expert_load_mean"):
         assert [r[key] for r in records[:3]] == [r[key] for r in reference[:3]], key
     assert max_relative_difference([r["aux_loss"] for r in records], [r["aux_loss"] for r in reference]) <= MOE_RTOL
+
+
+# Packed documents with attention kept within each (data.document_mask): the mask and the restarted
+# positions travel through tensor and pipeline parallel.
+DOCUMENT_LAYOUTS = {
+    "fsdp2": (2, ["+recipe=llama_fsdp"]),
+    "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
+    "pp2_zbv": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "parallel.pp_schedule=zbv"]),
+}
+
+
+@pytest.fixture(scope="module")
+def document_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
+    """Overrides that train on many short documents with document masking, and their 1-rank run."""
+    folder = tmp_path_factory.mktemp("documents")
+    rng = random.Random(0)
+    for i in range(300):  # one file per document, 40 to 200 bytes: several to a 64-token window
+        (folder / f"{i:03d}.txt").write_text(" ".join(_sentence(rng) for _ in range(rng.randrange(1, 5))))
+    overrides = (*COMMON, "data.source=text", f"data.path={folder}/*.txt")
+    unmasked = train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("unmasked"))
+    overrides += ("data.document_mask=true",)
+    reference = train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("masked"))
+    # The mask is in force: the same batches give other losses than attention across documents does.
+    assert max_relative_difference([r["loss"] for r in reference], [r["loss"] for r in unmasked]) > 1e-3
+    return overrides, reference
+
+
+@pytest.mark.parametrize("layout", DOCUMENT_LAYOUTS)
+def test_document_mask_layout_matches_single_process(layout, document_runs, tmp_path):
+    overrides, reference = document_runs
+    ranks, layout_overrides = DOCUMENT_LAYOUTS[layout]
+    records = train_metrics(ranks, *layout_overrides, *overrides, output_dir=tmp_path)
+    check_against(reference, records, f"document mask {layout}", RTOL, GRAD_NORM_RTOL)
 
 
 def test_single_process_matches_plain_pytorch_loop(reference):

@@ -103,9 +103,13 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"
-    path: Optional[str] = None
-    tokenizer: str = "bytes"
+    source: str = "embedded"  # embedded | text | json | parquet | hub | binary
+    path: Optional[str] = None  # a glob of files; a Hub dataset's name (hub); a token file (binary)
+    tokenizer: str = "bytes"  # bytes, or a tokenizer.json or a directory holding one
+    text_field: str = "text"  # the column holding the text (json, parquet, hub)
+    subset: Optional[str] = None  # a Hub dataset's configuration name
+    split: str = "train"  # the Hub dataset's split to train on
+    document_mask: bool = False  # attention stays within each document of a packed window
 
 
 @dataclass
@@ -126,8 +130,11 @@ class MetricsConfig:
 
 @dataclass
 class ValidationConfig:
-    every: int = 0
-    steps: int = 4
+    every: int = 0  # steps between validations; 0: never
+    steps: int = 4  # global batches per validation
+    # Files to validate on (read like data.path, with data's source and tokenizer); null holds out
+    # the last windows of the training data instead.
+    path: Optional[str] = None
 
 
 @dataclass

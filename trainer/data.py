@@ -1,5 +1,6 @@
-"""Data: text the code generates itself, a user's text files or pre-tokenized binary file packed
-into windows, and the per-rank batch split.
+"""Data: text the code generates itself, a user's files (text, json/jsonl, parquet), a streamed
+Hugging Face Hub dataset or a pre-tokenized binary file, packed into windows; and the per-rank
+batch split.
 
 The loader is indexed by step, not iterated: the batch of step s depends only on the seed, the
 global batch size and s, so every layout sees the same global batch and resuming is free.
@@ -9,8 +10,13 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
 import json
+import os
 import random
+import sys
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +24,11 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.errors import ConfigError
-from trainer.tokenizer import ByteTokenizer, build_tokenizer, tokenize_document
+from trainer.tokenizer import ByteTokenizer, build_tokenizer, encode_pieces, pieces
 
+SOURCES = ("embedded", "text", "json", "parquet", "hub", "binary")
 VAL_FRACTION = 0.01  # of a packed source's windows, held out (the last ones) for validation
+STREAM_VAL_WINDOWS = 256  # of a streamed Hub dataset, held out (the first ones) for validation
 
 
 _NAMES = "anna ben clara david emma felix grace henry iris jack kate leo mia noah olive paul".split()
@@ -53,7 +61,7 @@ class EmbeddedText(Dataset):
     def __init__(self, seq_len: int, seed: int, size: int = 1_000_000):
         self.seq_len, self.seed, self.size = seq_len, seed, size
         self.tokenizer = ByteTokenizer()
-        self.vocab_size = ByteTokenizer.vocab_size
+        self.vocab_size, self.eos_id = ByteTokenizer.vocab_size, ByteTokenizer.eos_id
 
     def __len__(self) -> int:
         return self.size
@@ -68,17 +76,17 @@ class EmbeddedText(Dataset):
 
 class PackedTokens(Dataset):
     """A token stream (documents joined by EOS) cut into windows of seq_len + 1 that overlap by
-    one token, so every token is a label exactly once. The last VAL_FRACTION of the windows (at
-    least one) is the validation split."""
+    one token, so every token is a label exactly once. Split "all" is every window; else the last
+    VAL_FRACTION of them (at least one) is split "val" and the rest "train"."""
 
-    def __init__(self, tokens, seq_len: int, vocab_size: int, split: str, what: str):
-        self.tokens, self.seq_len, self.vocab_size = tokens, seq_len, vocab_size
+    def __init__(self, tokens, seq_len: int, vocab_size: int, eos_id: int, split: str, what: str):
+        self.tokens, self.seq_len, self.vocab_size, self.eos_id = tokens, seq_len, vocab_size, eos_id
         windows = (len(tokens) - 1) // seq_len
-        held_out = max(1, int(windows * VAL_FRACTION))
-        if windows <= held_out:
-            raise ConfigError(f"{what} holds {len(tokens)} tokens, too few for training.seq_len={seq_len} "
-                              f"and a validation split")
-        self.first, self.size = (0, windows - held_out) if split == "train" else (windows - held_out, held_out)
+        held_out = 0 if split == "all" else max(1, int(windows * VAL_FRACTION))
+        if windows <= held_out or windows == 0:
+            raise ConfigError(f"{what} holds {len(tokens)} tokens, too few for training.seq_len={seq_len}"
+                              + ("" if split == "all" else " and a validation split"))
+        self.first, self.size = (windows - held_out, held_out) if split == "val" else (0, windows - held_out)
 
     def __len__(self) -> int:
         return self.size
@@ -90,20 +98,40 @@ class PackedTokens(Dataset):
         return torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
 
 
-def text_paths(pattern: str | None) -> list[str]:
+def text_paths(pattern: str | None, source: str = "text") -> list[str]:
     """The files a glob (or a plain path) names, sorted; a config error when there are none."""
     paths = sorted(p for p in glob.glob(pattern) if Path(p).is_file()) if pattern else []
     if not paths:
-        raise ConfigError(f"data.path={pattern} matches no readable file (needed by data.source=text)")
+        raise ConfigError(f"data.path={pattern} matches no readable file (needed by data.source={source})")
     return paths
 
 
-@functools.lru_cache(maxsize=1)
-def _text_stream(paths: tuple[str, ...], tokenizer_spec: str) -> tuple[np.ndarray, int]:
-    """The files' token stream (tokenized once for the training and validation splits)."""
+def documents(source: str, path: str | None, text_field: str = "text") -> Iterator[str]:
+    """The documents of local files: each text file is one; each row of json, jsonl or parquet
+    files (read with Hugging Face `datasets`) is one, its text in the column `text_field`."""
+    paths = text_paths(path, source)
+    if source == "text":
+        return (Path(p).read_text(errors="replace") for p in paths)
+    import datasets
+
+    builder = {"json": "json", "parquet": "parquet"}[source]
+    rows = datasets.load_dataset(builder, data_files=paths, split="train", streaming=True)
+    return _texts(rows, text_field, f"data.path={path}")
+
+
+def _texts(rows: Iterable[dict], field: str, what: str) -> Iterator[str]:
+    for row in rows:
+        if field not in row:
+            raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are {sorted(row)}")
+        yield row[field]
+
+
+@functools.lru_cache(maxsize=2)
+def _token_stream(source: str, path: str, text_field: str, tokenizer_spec: str) -> np.ndarray:
+    """Local files' token stream, tokenized once for the training and validation splits."""
     tokenizer = build_tokenizer(tokenizer_spec)
-    tokens = [t for p in paths for t in tokenize_document(Path(p).read_text(errors="replace"), tokenizer)]
-    return np.array(tokens, dtype=np.int64), tokenizer.vocab_size
+    groups = [encode_pieces([piece], tokenizer) for piece in pieces(documents(source, path, text_field))]
+    return np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
 
 
 def read_binary(path: str | None) -> tuple[np.ndarray, dict]:
@@ -116,19 +144,128 @@ def read_binary(path: str | None) -> tuple[np.ndarray, dict]:
     return np.memmap(path, dtype=meta["dtype"], mode="r"), meta
 
 
+class HubStream(Dataset):
+    """A Hugging Face Hub dataset, streamed: documents read in order, tokenized and cut into
+    windows of seq_len + 1 as training reaches them; nothing is downloaded ahead.
+
+    The first STREAM_VAL_WINDOWS windows are split "val" (read once and kept); split "train" is
+    every window after them and split "all" every window, in stream order (`sequential`: the loader
+    does not shuffle them), starting over at the stream's end. A resumed run reads (and drops) the
+    stream up to its position. Every rank reads the whole stream and keeps its own windows; at
+    scale, prepare a binary file instead.
+    """
+
+    def __init__(self, data, seq_len: int, split: str):
+        self.data, self.seq_len = data, seq_len
+        self.tokenizer = build_tokenizer(data.tokenizer)
+        self.vocab_size, self.eos_id = self.tokenizer.vocab_size, self.tokenizer.eos_id
+        self.first = STREAM_VAL_WINDOWS if split == "train" else 0
+        self._restart()
+        self.windows = [self._window(i) for i in range(STREAM_VAL_WINDOWS)] if split == "val" else None
+        self.sequential = self.windows is None
+
+    def _open(self) -> Iterator[str]:
+        name, what = self.data.path, f"data.path={self.data.path}"
+        try:
+            _check_hub_reachable(name)
+            import datasets
+
+            rows = datasets.load_dataset(name, self.data.subset, split=self.data.split, streaming=True)
+            texts = _texts(rows, self.data.text_field, what)
+            first = next(texts)
+        except ConfigError:
+            raise
+        except StopIteration:
+            raise ConfigError(f"{what} (data.split={self.data.split}) holds no documents") from None
+        except Exception as e:  # the Hub's and datasets' many errors, one line for the user
+            raise ConfigError(f"{what}: cannot stream the Hugging Face dataset {name} "
+                              f"(data.split={self.data.split}): {type(e).__name__}: {e}".splitlines()[0]) from None
+        return itertools.chain([first], texts)
+
+    def _tokenized(self) -> Iterator[np.ndarray]:
+        return (encode_pieces([piece], self.tokenizer) for piece in pieces(self._open()))
+
+    def _restart(self) -> None:
+        self._groups = self._tokenized()
+        self._buffer, self._start = np.zeros(0, dtype=np.int64), 0  # tokens from window self._start on
+
+    def _window(self, index: int) -> torch.Tensor:
+        if index < self._start:
+            self._restart()
+        skip = (index - self._start) * self.seq_len  # tokens before the window, to drop
+        while len(self._buffer) < skip + self.seq_len + 1:
+            if len(self._buffer) <= skip:
+                skip, self._buffer = skip - len(self._buffer), self._buffer[:0]
+            group = next(self._groups, None)
+            if group is None:  # the end of the stream: on to its start
+                self._groups = self._tokenized()
+                continue
+            self._buffer = np.concatenate([self._buffer, group])
+        self._buffer, self._start = self._buffer[skip:], index
+        return torch.from_numpy(self._buffer[: self.seq_len + 1].copy())
+
+    def __len__(self) -> int:
+        return sys.maxsize if self.windows is None else len(self.windows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._window(self.first + index) if self.windows is None else self.windows[index]
+
+
+def _check_hub_reachable(name: str) -> None:
+    """Fails in seconds, not after datasets' minute of retries, when the Hub cannot be reached."""
+    if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return  # a local dataset folder, or offline mode, where datasets answers from its cache at once
+    import huggingface_hub
+
+    huggingface_hub.dataset_info(name, timeout=10)
+
+
 def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Dataset:
+    """The windows of `data` (a DataConfig) for split "train", "val" or "all" (every window)."""
     if data.source == "embedded":
         if data.tokenizer != "bytes":
-            raise ConfigError(f"data.tokenizer={data.tokenizer} needs data.source=text (the embedded text is bytes)")
+            raise ConfigError(f"data.tokenizer={data.tokenizer} needs another data.source (the embedded text is bytes)")
         # Validation draws from a disjoint stream of the same generator.
         return EmbeddedText(seq_len, seed if split == "train" else seed + 7919)
-    if data.source == "text":
-        tokens, vocab_size = _text_stream(tuple(text_paths(data.path)), data.tokenizer)
-        return PackedTokens(tokens, seq_len, vocab_size, split, f"data.path={data.path}")
+    what = f"data.path={data.path}"
+    if data.source in ("text", "json", "parquet"):
+        tokens = _token_stream(data.source, data.path, data.text_field, data.tokenizer)
+        tokenizer = build_tokenizer(data.tokenizer)
+        return PackedTokens(tokens, seq_len, tokenizer.vocab_size, tokenizer.eos_id, split, what)
     if data.source == "binary":
         tokens, meta = read_binary(data.path)
-        return PackedTokens(tokens, seq_len, meta["vocab_size"], split, f"data.path={data.path}")
-    raise ConfigError(f"data.source={data.source} is unknown; choose 'embedded', 'text' or 'binary'")
+        return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
+    if data.source == "hub":
+        if not data.path:
+            raise ConfigError("data.path=None must name a Hugging Face dataset for data.source=hub")
+        return HubStream(data, seq_len, split)
+    raise ConfigError(f"data.source={data.source} is unknown; choose one of {list(SOURCES)}")
+
+
+def document_positions(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Each token's position in its own document [batch, seq]: counting restarts after every EOS
+    (the first window position counts as a document start)."""
+    index = torch.arange(tokens.shape[1]).expand(tokens.shape)
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eos_id
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+class Prefetcher:
+    """fn(step) for steps asked in order, each computed while the step before it trains, on one
+    background thread (which alone touches the data, so a stream is read in order)."""
+
+    def __init__(self, fn):
+        self.fn, self._pool, self._next = fn, ThreadPoolExecutor(1, thread_name_prefix="prefetch"), None
+
+    def __call__(self, step: int):
+        step_future = self._next if self._next is not None and self._next[0] == step else None
+        future = step_future[1] if step_future else self._pool.submit(self.fn, step)
+        self._next = (step + 1, self._pool.submit(self.fn, step + 1))
+        return future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
 
 
 class BatchLoader:
@@ -153,6 +290,8 @@ class BatchLoader:
         self._epoch, self._order = -1, None
 
     def _position(self, position: int) -> int:
+        if getattr(self.dataset, "sequential", False):
+            return position  # a stream is read in its own order
         epoch, offset = divmod(position, len(self.dataset))
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed + epoch)

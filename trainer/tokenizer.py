@@ -1,16 +1,23 @@
 """Tokenizers: UTF-8 bytes (the default), or a local Hugging Face tokenizer (`tokenizer.json`,
 read with the `tokenizers` library; nothing is downloaded).
 
-Documents are packed end to end with the tokenizer's end-of-sequence token between them, so a
-window of the stream may hold the end of one document and the start of the next.
+Documents are packed end to end, each followed by the tokenizer's end-of-sequence token (and
+preceded by its beginning-of-sequence token when the tokenizer's config asks for one, as Llama's
+do), so a window of the stream may hold the end of one document and the start of the next.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from trainer.errors import ConfigError
+
+CHUNK_CHARS = 1 << 18  # long documents are tokenized in pieces of about this size, cut at line ends
 
 # Names an end-of-sequence token goes by, when tokenizer_config.json does not say.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
@@ -21,6 +28,7 @@ class ByteTokenizer:
 
     vocab_size = 256
     eos_id = 0
+    bos_id = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -41,22 +49,19 @@ class HFTokenizer:
         self.tokenizer = Tokenizer.from_file(str(file))
         # Ids need not be dense (added tokens may sit above the base vocabulary): the largest bounds them.
         self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-        self.eos_id = self._eos_id(file.parent, path)
-
-    def _eos_id(self, folder: Path, path: str) -> int:
-        config = folder / "tokenizer_config.json"
-        names = list(EOS_NAMES)
-        if config.is_file():
-            eos = json.loads(config.read_text()).get("eos_token")
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if eos:
-                names.insert(0, eos)
-        for name in names:
-            token = self.tokenizer.token_to_id(name)
-            if token is not None:
-                return token
-        raise ConfigError(f"data.tokenizer={path} has no end-of-sequence token (looked for {names})")
+        config_file = file.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        eos_names = [name for name in (_token_name(config.get("eos_token")), *EOS_NAMES) if name]
+        eos = [i for i in map(self.tokenizer.token_to_id, eos_names) if i is not None]
+        if not eos:
+            raise ConfigError(f"data.tokenizer={path} has no end-of-sequence token (looked for {eos_names})")
+        self.eos_id = eos[0]
+        # A beginning-of-sequence token only where the config names one that is not EOS and does
+        # not turn it off (GPT-2-style tokenizers call EOS their BOS and add none).
+        bos = _token_name(config.get("bos_token"))
+        self.bos_id = self.tokenizer.token_to_id(bos) if bos and config.get("add_bos_token", True) else None
+        if self.bos_id == self.eos_id:
+            self.bos_id = None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -65,19 +70,38 @@ class HFTokenizer:
         return self.tokenizer.decode(ids)
 
 
+def _token_name(token) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+@functools.lru_cache(maxsize=4)
 def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
 
 
-def tokenize_document(text: str, tokenizer, chunk_chars: int = 1 << 20) -> list[int]:
-    """A document's tokens followed by EOS. Long texts are cut at line ends into ~1 MB chunks,
-    tokenized one by one (the same cut in prepare_data.py and in the trainer, so both agree)."""
+def pieces(documents: Iterable[str]) -> Iterator[tuple[str, bool, bool]]:
+    """(text, starts a document, ends a document) for each piece of each document: a long document
+    is cut at line ends into pieces of about CHUNK_CHARS, so that several processes can share it."""
+    for text in documents:
+        start = 0
+        while True:
+            end = text.find("\n", start + CHUNK_CHARS)
+            end = len(text) if end < 0 else end + 1
+            yield text[start:end], start == 0, end == len(text)
+            start = end
+            if start == len(text):
+                break
+
+
+def encode_pieces(group: list[tuple[str, bool, bool]], tokenizer) -> np.ndarray:
+    """The tokens of consecutive pieces, with BOS before each document (when the tokenizer has one)
+    and EOS after it. The trainer and scripts/prepare_data.py both tokenize this way, so they agree."""
     ids: list[int] = []
-    start = 0
-    while start < len(text):
-        end = text.find("\n", start + chunk_chars)
-        end = len(text) if end < 0 else end + 1
-        ids += tokenizer.encode(text[start:end])
-        start = end
-    ids.append(tokenizer.eos_id)
-    return ids
+    for text, first, last in group:
+        if first and tokenizer.bos_id is not None:
+            ids.append(tokenizer.bos_id)
+        ids += tokenizer.encode(text)
+        if last:
+            ids.append(tokenizer.eos_id)
+    return np.array(ids, dtype=np.int64)

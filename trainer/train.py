@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from pathlib import Path
@@ -15,11 +16,12 @@ from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import Checkpointer, TrainState, restore
 from trainer.config import CheckpointConfig, JobConfig
-from trainer.data import BatchLoader, build_dataset
+from trainer.data import BatchLoader, Prefetcher, build_dataset, document_positions
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError
 from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_memory_gib, peak_tflops
 from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
+from trainer.models.llama import attend_within_documents
 from trainer.models.moe import set_aux_loss_scale
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel import PARALLELIZE
@@ -71,6 +73,9 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         value = getattr(t.mixed_precision, key)
         if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
             raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
+    if job.data.document_mask and dims.cp_enabled:
+        raise ConfigError(f"data.document_mask=true cannot be combined with parallel.cp={dims.cp} yet: the "
+                          f"context-parallel attention masks by global position only")
     if job.metrics.log_every < 1:
         raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
     peak = job.metrics.peak_tflops
@@ -92,14 +97,26 @@ def check_checkpoint(node: dict) -> CheckpointConfig:
     return cfg
 
 
+def build_datasets(job: JobConfig):
+    """The training windows and the validation ones: validation.path's files (all of them), else
+    the training data's held-out split."""
+    t = job.training
+    if job.validation.path is None:
+        return (build_dataset(job.data, t.seq_len, t.seed, split) for split in ("train", "val"))
+    if job.data.source == "embedded":
+        raise ConfigError(f"validation.path={job.validation.path} needs files of your own in data.path "
+                          f"(it is read like data.path, with data.source and data.tokenizer)")
+    val_data = dataclasses.replace(job.data, path=job.validation.path)
+    return build_dataset(job.data, t.seq_len, t.seed, "all"), build_dataset(val_data, t.seq_len, t.seed, "all")
+
+
 def run(cfg: DictConfig) -> None:
     """Runs the job `cfg` (the composed Hydra config) on this rank."""
     job: JobConfig = OmegaConf.to_object(cfg)
     device = resolve_device(job.device)
     dims = check_job(job, world_size())
     checkpoint = check_checkpoint(job.checkpoint)
-    dataset = build_dataset(job.data, job.training.seq_len, job.training.seed)
-    val_dataset = build_dataset(job.data, job.training.seq_len, job.training.seed, split="val")
+    dataset, val_dataset = build_datasets(job)
     if dataset.vocab_size > job.model.vocab_size:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
                           f"(data.tokenizer={job.data.tokenizer})")
@@ -148,7 +165,13 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
 
     def microbatches(loader: BatchLoader, step: int) -> list[tuple[torch.Tensor, ...]]:
         # The ranks of a cp group read the same sequences; each keeps its share of them.
-        return [shard_batch(inputs, labels, cp_rank, dims.cp) for inputs, labels in loader.microbatches(step)]
+        return [
+            shard_batch(inputs, labels, cp_rank, dims.cp,
+                        document_positions(inputs, dataset.eos_id) if job.data.document_mask else None)
+            for inputs, labels in loader.microbatches(step)
+        ]
+
+    train_batches = Prefetcher(partial(microbatches, loader))
 
     logger = MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config)
     peak = peak_tflops(device, job.metrics.peak_tflops)
@@ -158,7 +181,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     start = last_time = time.perf_counter()
     last_step = start_step
     for step in range(start_step + 1, t.steps + 1):
-        loss = step_fn(microbatches(loader, step - 1))
+        loss = step_fn(train_batches(step - 1))
         if moe_stats is not None:
             moe_stats.collect(parts, t.grad_accum_steps * dims.pp_microbatches)
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
@@ -193,6 +216,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         if checkpointer is not None and checkpointer.after_step(step, t.steps,
                                                                 lambda: state.for_save(step, loader.position(step))):
             break
+    train_batches.close()
     if checkpointer is not None:
         checkpointer.close()
     logger.close()
@@ -220,6 +244,8 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
     parts = []
     for stage in stages:
         part = build_model(job.model, device="meta")
+        if job.data.document_mask:
+            attend_within_documents(part)
         if dims.pp_enabled:
             keep_modules(part, stage_modules[stage])
         parallelize(part)

@@ -34,10 +34,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(head_dim)) v, each position seeing itself and the ones before.
     q [batch, heads, seq, head_dim]; k and v may have fewer heads (grouped-query attention).
-    Its own module so that a parallelism can swap in another kernel for the same function."""
+    Its own module so that a parallelism can swap in another kernel for the same function.
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    With `within_documents` (data.document_mask) a position sees only the earlier ones of its own
+    document: `positions` [batch, seq] then count from each document's start, so the token at
+    index i with position p sees indices i-p..i."""
+
+    within_documents = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        if not self.within_documents:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        index = torch.arange(q.shape[2], device=q.device)
+        document_start = index - positions  # [batch, seq], for each query
+        mask = (index[None, None, :] <= index[None, :, None]) & (index[None, None, :] >= document_start[:, :, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+
+
+def attend_within_documents(model: nn.Module) -> None:
+    """Attention of every block stays within each document of a packed sequence."""
+    for module in model.modules():
+        if isinstance(module, CausalAttention):
+            module.within_documents = True
 
 
 class Attention(nn.Module):
@@ -61,7 +81,7 @@ class Attention(nn.Module):
         v = v.view(batch, seq, -1, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.sdpa(*(t.transpose(1, 2) for t in (q, k, v)))
+        out = self.sdpa(*(t.transpose(1, 2) for t in (q, k, v)), positions)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

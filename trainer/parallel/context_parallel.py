@@ -33,9 +33,12 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torc
     return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]], dim=dim)
 
 
-def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, cp_rank: int, cp: int):
-    """A batch of whole sequences -> this rank's (inputs, labels, positions) [batch, seq/cp]."""
-    positions = torch.arange(inputs.shape[1]).expand(inputs.shape)
+def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, cp_rank: int, cp: int,
+                positions: torch.Tensor | None = None):
+    """A batch of whole sequences -> this rank's (inputs, labels, positions) [batch, seq/cp].
+    positions default to 0..seq-1."""
+    if positions is None:
+        positions = torch.arange(inputs.shape[1]).expand(inputs.shape)
     return tuple(shard_sequence(x, cp_rank, cp) for x in (inputs, labels, positions))
 
 
@@ -55,7 +58,9 @@ class ContextParallelAttention(nn.Module):
         self.group = cp_mesh.get_group()
         self.method = method
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions are the global ones (no document masking under context parallel).
         if self.method == "ring":
             return _RingAttention.apply(q, k, v, self.group)
         return _allgather_attention(q, k, v, self.group)
