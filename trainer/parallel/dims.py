@@ -215,7 +215,8 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
             raise ConfigError(f"parallel.cp={cp} needs training.seq_len={training.seq_len} divisible by 2*cp={2 * cp}: "
                               f"each cp rank holds two equal chunks of the sequence")
     if training.seq_len > model.max_seq_len:
-        raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len}")
+        raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len} "
+                          f"(set training.seq_len; +smoke=cpu sets 128 for a CPU run)")
     if training.grad_accum_steps < 1:
         raise ConfigError(f"training.grad_accum_steps={training.grad_accum_steps} must be >= 1")
     if tp > 1:
