@@ -315,8 +315,6 @@ def test_real_text_validation_loss_falls_well_below_the_unigram_entropy(tmp_path
 
 
 @pytest.mark.parametrize("ranks, overrides, message", [
-    (2, ("parallel.cp=2", "data.document_mask=true"),
-     "config error: data.document_mask=true cannot be combined with parallel.cp=2 yet"),
     (1, ("validation.path=elsewhere/*.txt",), "config error: validation.path=elsewhere/*.txt needs files of your own"),
     (1, ("model.vocab_size=200",),
      "config error: model.vocab_size=200 must be >= the tokenizer's 256 (data.tokenizer=bytes)"),

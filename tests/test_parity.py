@@ -143,11 +143,12 @@ def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
 
 
 # Packed documents with attention kept within each (data.document_mask): the mask and the restarted
-# positions travel through tensor and pipeline parallel.
+# positions travel through tensor, pipeline and context parallel.
 DOCUMENT_LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"]),
     "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
     "pp2_zbv": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "parallel.pp_schedule=zbv"]),
+    **{f"cp2_{m}": (2, ["+recipe=llama_cp2", f"parallel.cp_method={m}"]) for m in CP_METHODS},
 }
 
 

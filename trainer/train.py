@@ -73,9 +73,6 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         value = getattr(t.mixed_precision, key)
         if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
             raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
-    if job.data.document_mask and dims.cp_enabled:
-        raise ConfigError(f"data.document_mask=true cannot be combined with parallel.cp={dims.cp} yet: the "
-                          f"context-parallel attention masks by global position only")
     if job.metrics.log_every < 1:
         raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
     peak = job.metrics.peak_tflops

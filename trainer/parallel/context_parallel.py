@@ -5,7 +5,8 @@ as well as NCCL).
 Load balancing: the sequence is cut into 2*cp chunks and cp rank r holds chunks r and 2*cp-1-r.
 Under a causal mask an early chunk attends to little and a late one to much, so each rank gets
 one of each and the same work. Every rank's inputs, labels and RoPE positions are sharded this
-way (`shard_sequence`); positions stay the global ones.
+way (`shard_sequence`); positions stay the global ones (or, with data.document_mask, each token's
+position in its document, from which both methods also mask the keys before a query's document).
 
 Two attention methods (`parallel.cp_method`), both exact:
 - allgather: all-gather K and V, attend with the local queries under the global causal mask.
@@ -45,25 +46,31 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, cp_rank: int, cp: in
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
     """Every block's attention kernel becomes the context-parallel one."""
     for block in model.layers.values():
-        block.attention.sdpa = ContextParallelAttention(cp_mesh, method)
+        block.attention.sdpa = ContextParallelAttention(cp_mesh, method, block.attention.sdpa.within_documents)
 
 
 class ContextParallelAttention(nn.Module):
     """Causal attention over the whole sequence for the local queries, keys and values
     [batch, heads, 2*chunk, head_dim], held in the load-balanced layout. Grouped-query attention:
-    q may have a multiple of k's and v's heads."""
+    q may have a multiple of k's and v's heads. With `within_documents` the local `positions`
+    count from each query's document start (data.document_mask) and keys before it are masked."""
 
-    def __init__(self, cp_mesh: DeviceMesh, method: str):
+    def __init__(self, cp_mesh: DeviceMesh, method: str, within_documents: bool = False):
         super().__init__()
         self.group = cp_mesh.get_group()
         self.method = method
+        self.within_documents = within_documents
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        # positions are the global ones (no document masking under context parallel).
+        starts = None
+        if self.within_documents:
+            rank, cp = dist.get_rank(self.group), dist.get_world_size(self.group)
+            # The global index at which each local query's document starts [batch, seq].
+            starts = _global_positions(q.shape[2], rank, cp, q.device) - positions
         if self.method == "ring":
-            return _RingAttention.apply(q, k, v, self.group)
-        return _allgather_attention(q, k, v, self.group)
+            return _RingAttention.apply(q, k, v, self.group, starts)
+        return _allgather_attention(q, k, v, self.group, starts)
 
     def extra_repr(self) -> str:
         return f"method={self.method}, cp={dist.get_world_size(self.group)}"
@@ -77,7 +84,7 @@ def _global_positions(seq: int, cp_rank: int, cp: int, device) -> torch.Tensor:
 # --- allgather -------------------------------------------------------------------------------
 
 
-def _allgather_attention(q, k, v, group) -> torch.Tensor:
+def _allgather_attention(q, k, v, group, starts: torch.Tensor | None) -> torch.Tensor:
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     seq = q.shape[2]
     # [cp, 2, batch, kv_heads, seq, head_dim]: every rank's K and V, in one collective.
@@ -85,8 +92,10 @@ def _allgather_attention(q, k, v, group) -> torch.Tensor:
     # Back to global order: the first chunks of ranks 0..cp-1, then the second ones in reverse.
     half = seq // 2
     kv = torch.cat([*kv[..., :half, :].unbind(0), *kv[..., half:, :].flip(0).unbind(0)], dim=-2)
-    positions = _global_positions(seq, rank, cp, q.device)
-    mask = positions[:, None] >= torch.arange(seq * cp, device=q.device)[None, :]
+    positions, keys = _global_positions(seq, rank, cp, q.device), torch.arange(seq * cp, device=q.device)
+    mask = positions[:, None] >= keys[None, :]
+    if starts is not None:
+        mask = (mask & (keys[None, None, :] >= starts[:, :, None]))[:, None]
     return nn.functional.scaled_dot_product_attention(
         q, kv[0], kv[1], attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -117,17 +126,20 @@ class _AllGather(torch.autograd.Function):
 class _RingAttention(torch.autograd.Function):
     """At ring step i this rank holds the K/V block of rank (rank - i) % cp. With the load-balanced
     layout each step's work is one of three shapes (see `_block_rows_cols`), none of them wasted
-    on fully masked pairs. Partial outputs are merged in fp32."""
+    on fully masked pairs. Partial outputs are merged in fp32. With document `starts` each block
+    also masks the keys before its queries' documents (the exact math kernel, which takes a mask)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, starts):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         kv = torch.stack([k, v])
         out, lse = None, None
         for step in range(cp):
             pending = _pass_on(kv, group) if step < cp - 1 else None
-            rows, cols, causal = _block_rows_cols(rank, (rank - step) % cp, q.shape[2])
-            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal)
+            source = (rank - step) % cp
+            rows, cols, causal = _block_rows_cols(rank, source, q.shape[2])
+            mask = _block_mask(starts, rank, source, cp, q.shape[2], rows, cols)
+            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask)
             if out is None:
                 out, lse = block_out.float(), block_lse
             else:
@@ -135,7 +147,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending()
         out = out.to(q.dtype)
-        ctx.group = group
+        ctx.group, ctx.starts = group, starts
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -151,11 +163,13 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         for step in range(cp):
             pending = _pass_on(kv, group) if step < cp - 1 else None
-            rows, cols, causal = _block_rows_cols(rank, (rank - step) % cp, q.shape[2])
+            source = (rank - step) % cp
+            rows, cols, causal = _block_rows_cols(rank, source, q.shape[2])
+            mask = _block_mask(ctx.starts, rank, source, cp, q.shape[2], rows, cols)
             # Each block's gradients follow from the final output and log-sum-exp (flash attention's rule).
             block_dq, block_dk, block_dv = _block_backward(
                 grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], causal,
+                lse[:, :, rows], causal, mask,
             )
             dq[:, :, rows] += block_dq
             dkv[0][:, :, cols] += block_dk
@@ -163,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = _pass_on(dkv, group)()
             if pending is not None:
                 kv = pending()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def _block_rows_cols(rank: int, source: int, seq: int) -> tuple[slice, slice, bool]:
@@ -181,6 +195,16 @@ def _block_rows_cols(rank: int, source: int, seq: int) -> tuple[slice, slice, bo
     return slice(half, None), slice(None), False
 
 
+def _block_mask(starts, rank: int, source: int, cp: int, seq: int, rows: slice, cols: slice):
+    """[batch, rows, cols]: which keys of `source`'s block each query row sees, given the global
+    index where each query's document starts (None: no document mask, the block's shape says all)."""
+    if starts is None:
+        return None
+    queries = _global_positions(seq, rank, cp, starts.device)[rows]
+    keys = _global_positions(seq, source, cp, starts.device)[cols]
+    return (keys[None, None, :] <= queries[None, :, None]) & (keys[None, None, :] >= starts[:, rows, None])
+
+
 def _merge(out, lse, block_out, block_lse, rows) -> None:
     """Folds a block's partial softmax output into the running one, for the given query rows."""
     old_lse = lse[:, :, rows]
@@ -194,33 +218,36 @@ def _merge(out, lse, block_out, block_lse, rows) -> None:
 FUSED_DEVICES = {"cpu"}
 
 
-def _block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_forward(q, k, v, causal: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [b, heads, rows, d] over one K/V block [b, kv_heads, cols, d] (causal only for
-    a square block): the output and its fp32 log-sum-exp [b, heads, rows]."""
-    if q.device.type in FUSED_DEVICES:
+    a square block, or as `mask` [b, rows, cols] says): the output and its fp32 log-sum-exp
+    [b, heads, rows]. A row that sees no key gets output 0 and log-sum-exp -inf (no weight in a merge)."""
+    if q.device.type in FUSED_DEVICES and mask is None:
         return _cpu_flash_forward(q, k, v, causal)
-    scores = _scores(_group_heads(q, k), k, causal)
+    scores = _scores(_group_heads(q, k), k, causal, mask)
     lse = scores.logsumexp(-1)
-    out = (scores - lse[..., None]).exp() @ v.float()[:, :, None]
+    out = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp() @ v.float()[:, :, None]
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, mask=None):
     """dq, dk, dv of one block from the final output and log-sum-exp of the whole attention."""
-    if q.device.type in FUSED_DEVICES:
+    if q.device.type in FUSED_DEVICES and mask is None:
         return _cpu_flash_backward(dout, q, k, v, out, lse, causal)
     qg, dout, out, lse = (_group_heads(x, k).float() for x in (q, dout, out, lse))
     k, v = k.float(), v.float()
-    probs = (_scores(qg, k, causal) - lse[..., None]).exp()
+    probs = (_scores(qg, k, causal, mask) - lse[..., None]).exp()
     dv = (probs.transpose(-1, -2) @ dout).sum(2)
     delta = (dout * out).sum(-1, keepdim=True)
     dscores = probs * (dout @ v[:, :, None].transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
     return (dscores @ k[:, :, None]).flatten(1, 2), (dscores.transpose(-1, -2) @ qg).sum(2), dv
 
 
-def _scores(qg, k, causal: bool) -> torch.Tensor:
+def _scores(qg, k, causal: bool, mask=None) -> torch.Tensor:
     """Scaled fp32 scores of grouped queries [b, kv_heads, groups, rows, d] against k [b, kv_heads, cols, d]."""
     scores = qg.float() @ k.float()[:, :, None].transpose(-1, -2) * qg.shape[-1] ** -0.5
+    if mask is not None:
+        return scores.masked_fill(~mask[:, None, None], float("-inf"))
     if causal:
         rows, cols = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=qg.device).triu(1), float("-inf"))
