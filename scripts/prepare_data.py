@@ -13,7 +13,7 @@ parquet) with the same `data.path` reads, whatever the number of workers.
 from __future__ import annotations
 
 import argparse
-import itertools
+import collections
 import json
 import os
 import sys
@@ -46,8 +46,7 @@ def _groups(pieces_):
         yield group
 
 
-def _tokenize(args: tuple[list, str]) -> tuple[np.ndarray, int]:
-    group, spec = args
+def _tokenize(group: list, spec: str) -> tuple[np.ndarray, int]:
     return encode_pieces(group, build_tokenizer(spec)), sum(len(text) for text, _, _ in group)
 
 
@@ -59,11 +58,23 @@ def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: st
     tmp = out.with_name(out.name + ".tmp")
     started, tokens = time.perf_counter(), 0
     with Pool(workers) as pool, open(tmp, "wb") as f, tqdm(unit="char", unit_scale=True, desc="tokenizing") as bar:
-        # imap keeps the order: the stream is the same with any number of workers.
-        for ids, chars in pool.imap(_tokenize, zip(groups, itertools.repeat(tokenizer))):
+
+        def write(result) -> None:
+            nonlocal tokens
+            ids, chars = result.get()
             f.write(ids.astype(dtype).tobytes())
             tokens += len(ids)
             bar.update(chars)
+
+        # Groups are written in order (the stream is the same with any number of workers), and only
+        # a few per worker are in flight, so a corpus larger than memory streams through.
+        pending: collections.deque = collections.deque()
+        for group in groups:
+            pending.append(pool.apply_async(_tokenize, (group, tokenizer)))
+            if len(pending) > 2 * workers:
+                write(pending.popleft())
+        while pending:
+            write(pending.popleft())
     seconds = time.perf_counter() - started
     meta = {"dtype": np.dtype(dtype).name, "tokens": tokens, "vocab_size": tok.vocab_size, "tokenizer": tokenizer,
             "eos_id": tok.eos_id, "bos_id": tok.bos_id, "source": source, "path": pattern}

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import REPO, torchrun, train_metrics
@@ -29,7 +30,7 @@ from trainer.data import (
 )
 from trainer.errors import ConfigError
 from trainer.models.llama import attend_within_documents
-from trainer.tokenizer import build_tokenizer
+from trainer.tokenizer import CHUNK_CHARS, build_tokenizer
 
 
 def test_embedded_text_is_deterministic_readable_text():
@@ -148,17 +149,21 @@ def test_packing_keeps_every_token_once_in_file_order(tmp_path):
 
 
 def test_prepared_binary_file_is_the_same_stream(tmp_path):
+    """prepare_data.py's workers share even one big file (cut into pieces) and write the stream the
+    trainer reads from the text files."""
     texts_dir = tmp_path / "corpus"
     corpus(texts_dir, n_files=5)
+    (texts_dir / "part5_big.txt").write_text("".join(f"line {i}: {'abc ' * (i % 40)}\n" for i in range(30_000)))
     out = tmp_path / "tokens.bin"
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), str(texts_dir / "*.txt"),
                              str(out), "--workers", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "tokens/s" in result.stdout
     assert json.loads(Path(f"{out}.json").read_text())["dtype"] == "uint16"
-    text = all_windows(DataConfig(source="text", path=str(texts_dir / "*.txt")), seq_len=16)
-    binary = all_windows(DataConfig(source="binary", path=str(out)), seq_len=16)
-    assert len(text) == len(binary) and all(torch.equal(a, b) for a, b in zip(text, binary))
+    text, binary = (build_dataset(DataConfig(source=source, path=path), seq_len=16, seed=0)
+                    for source, path in (("text", str(texts_dir / "*.txt")), ("binary", str(out))))
+    # Two and more of prepare_data.py's work groups (4 pieces of CHUNK_CHARS each).
+    assert len(text.tokens) > 8 * CHUNK_CHARS and np.array_equal(text.tokens, binary.tokens)
 
 
 def test_json_jsonl_and_parquet_rows_are_documents(tmp_path):
