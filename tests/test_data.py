@@ -81,7 +81,7 @@ def test_global_batch_does_not_depend_on_the_layout():
 
 def test_resume_mid_epoch_with_another_data_parallel_size_continues_at_the_same_sample():
     """A run stopped after k steps saved its position (sequences consumed); a loader of any dp size
-    (and global batch) that starts there reads the sequences the uninterrupted run would have."""
+    that starts there reads the sequences the uninterrupted run would have."""
     data = EmbeddedText(seq_len=8, seed=0, size=30)
 
     def loader_for(rank, dp_size, grad_accum=1, pp_microbatches=1, offset=0):
@@ -92,10 +92,10 @@ def test_resume_mid_epoch_with_another_data_parallel_size_continues_at_the_same_
 
     uninterrupted = [global_batch(loader_for, 2, 1, step) for step in range(8)]  # 64 sequences: 2 epochs and more
     position = loader_for(0, 2).position(steps=2)  # mid-epoch: 16 of 30 sequences read
-    for dp_size in (1, 2, 4):
-        def resumed(rank, dp, accum, pp, dp_size=dp_size):
-            return loader_for(rank, dp, accum, pp, offset=position)
+    def resumed(rank, dp_size, grad_accum, pp_microbatches):
+        return loader_for(rank, dp_size, grad_accum, pp_microbatches, offset=position)
 
+    for dp_size in (1, 2, 4):
         for step in range(6):  # on across the epoch boundary
             assert torch.equal(global_batch(resumed, dp_size, 1, step), uninterrupted[2 + step])
 
