@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.errors import ConfigError
-from trainer.tokenizer import ByteTokenizer, build_tokenizer, encode_pieces, pieces
+from trainer.tokenizer import ByteTokenizer, build_tokenizer, encode_documents
 
 SOURCES = ("embedded", "text", "json", "parquet", "hub", "binary")
 VAL_FRACTION = 0.01  # of a packed source's windows, held out (the last ones) for validation
@@ -83,7 +83,7 @@ class PackedTokens(Dataset):
         self.tokens, self.seq_len, self.vocab_size, self.eos_id = tokens, seq_len, vocab_size, eos_id
         windows = (len(tokens) - 1) // seq_len
         held_out = 0 if split == "all" else max(1, int(windows * VAL_FRACTION))
-        if windows <= held_out or windows == 0:
+        if windows <= held_out:  # (for split all: no window at all)
             raise ConfigError(f"{what} holds {len(tokens)} tokens, too few for training.seq_len={seq_len}"
                               + ("" if split == "all" else " and a validation split"))
         self.first, self.size = (windows - held_out, held_out) if split == "val" else (0, windows - held_out)
@@ -129,8 +129,7 @@ def _texts(rows: Iterable[dict], field: str, what: str) -> Iterator[str]:
 @functools.lru_cache(maxsize=2)
 def _token_stream(source: str, path: str, text_field: str, tokenizer_spec: str) -> np.ndarray:
     """Local files' token stream, tokenized once for the training and validation splits."""
-    tokenizer = build_tokenizer(tokenizer_spec)
-    groups = [encode_pieces([piece], tokenizer) for piece in pieces(documents(source, path, text_field))]
+    groups = list(encode_documents(documents(source, path, text_field), build_tokenizer(tokenizer_spec)))
     return np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
 
 
@@ -182,11 +181,8 @@ class HubStream(Dataset):
                               f"(data.split={self.data.split}): {type(e).__name__}: {e}".splitlines()[0]) from None
         return itertools.chain([first], texts)
 
-    def _tokenized(self) -> Iterator[np.ndarray]:
-        return (encode_pieces([piece], self.tokenizer) for piece in pieces(self._open()))
-
     def _restart(self) -> None:
-        self._groups = self._tokenized()
+        self._groups = encode_documents(self._open(), self.tokenizer)
         self._buffer, self._start = np.zeros(0, dtype=np.int64), 0  # tokens from window self._start on
 
     def _window(self, index: int) -> torch.Tensor:
@@ -198,7 +194,7 @@ class HubStream(Dataset):
                 skip, self._buffer = skip - len(self._buffer), self._buffer[:0]
             group = next(self._groups, None)
             if group is None:  # the end of the stream: on to its start
-                self._groups = self._tokenized()
+                self._groups = encode_documents(self._open(), self.tokenizer)
                 continue
             self._buffer = np.concatenate([self._buffer, group])
         self._buffer, self._start = self._buffer[skip:], index
@@ -259,8 +255,9 @@ class Prefetcher:
         self.fn, self._pool, self._next = fn, ThreadPoolExecutor(1, thread_name_prefix="prefetch"), None
 
     def __call__(self, step: int):
-        step_future = self._next if self._next is not None and self._next[0] == step else None
-        future = step_future[1] if step_future else self._pool.submit(self.fn, step)
+        if self._next is None or self._next[0] != step:  # the first step, or one out of order
+            self._next = (step, self._pool.submit(self.fn, step))
+        future = self._next[1]
         self._next = (step + 1, self._pool.submit(self.fn, step + 1))
         return future.result()
 

@@ -105,3 +105,8 @@ def encode_pieces(group: list[tuple[str, bool, bool]], tokenizer) -> np.ndarray:
         if last:
             ids.append(tokenizer.eos_id)
     return np.array(ids, dtype=np.int64)
+
+
+def encode_documents(documents: Iterable[str], tokenizer) -> Iterator[np.ndarray]:
+    """The token stream of `documents`, piece by piece."""
+    return (encode_pieces([piece], tokenizer) for piece in pieces(documents))

@@ -48,9 +48,15 @@ class CausalAttention(nn.Module):
         if not self.within_documents:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         index = torch.arange(q.shape[2], device=q.device)
-        document_start = index - positions  # [batch, seq], for each query
-        mask = (index[None, None, :] <= index[None, :, None]) & (index[None, None, :] >= document_start[:, :, None])
+        mask = document_mask(index, index, index - positions)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+
+
+def document_mask(queries: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """[batch, len(queries), len(keys)]: whether each query sees each key, from their indices in the
+    whole sequence and the index at which each query's document starts ([batch, len(queries)]):
+    keys from that start up to the query itself."""
+    return (keys[None, None, :] <= queries[None, :, None]) & (keys[None, None, :] >= starts[:, :, None])
 
 
 def attend_within_documents(model: nn.Module) -> None:

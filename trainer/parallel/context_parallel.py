@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainer.models.llama import document_mask
+
 METHODS = ("ring", "allgather")
 
 
@@ -93,9 +95,7 @@ def _allgather_attention(q, k, v, group, starts: torch.Tensor | None) -> torch.T
     half = seq // 2
     kv = torch.cat([*kv[..., :half, :].unbind(0), *kv[..., half:, :].flip(0).unbind(0)], dim=-2)
     positions, keys = _global_positions(seq, rank, cp, q.device), torch.arange(seq * cp, device=q.device)
-    mask = positions[:, None] >= keys[None, :]
-    if starts is not None:
-        mask = (mask & (keys[None, None, :] >= starts[:, :, None]))[:, None]
+    mask = positions[:, None] >= keys[None, :] if starts is None else document_mask(positions, keys, starts)[:, None]
     return nn.functional.scaled_dot_product_attention(
         q, kv[0], kv[1], attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -202,7 +202,7 @@ def _block_mask(starts, rank: int, source: int, cp: int, seq: int, rows: slice, 
         return None
     queries = _global_positions(seq, rank, cp, starts.device)[rows]
     keys = _global_positions(seq, source, cp, starts.device)[cols]
-    return (keys[None, None, :] <= queries[None, :, None]) & (keys[None, None, :] >= starts[:, rows, None])
+    return document_mask(queries, keys, starts[:, rows])
 
 
 def _merge(out, lse, block_out, block_lse, rows) -> None:
