@@ -49,7 +49,7 @@ RECIPE_WORLDS = {"llama_fsdp": 8, "llama_hsdp": 8, "llama_tp2": 4, "llama_tp2_pp
 
 @pytest.mark.parametrize("recipe", RECIPE_WORLDS)
 def test_recipe_is_a_valid_layout_at_its_world_size(recipe):
-    from trainer.train import check_job
+    from trainer.rules import check_job
 
     check_job(OmegaConf.to_object(composed(f"+recipe={recipe}")), world=RECIPE_WORLDS[recipe])
 

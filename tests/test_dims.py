@@ -1,4 +1,4 @@
-"""ParallelDims: degree inference, each validation rule, and the mesh with its views."""
+"""The layout: degree inference, each of its rules (trainer/rules.py), and the mesh with its views."""
 
 import pytest
 from helpers import spawn
@@ -6,6 +6,7 @@ from helpers import spawn
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.parallel.dims import ParallelDims
+from trainer.rules import resolve_layout
 
 
 def dims_for(world: int, **parallel) -> ParallelDims:
@@ -14,7 +15,7 @@ def dims_for(world: int, **parallel) -> ParallelDims:
     for key, value in parallel.items():
         section, name = key.split("__") if "__" in key else ("parallel", key)
         setattr(getattr(job, section), name, value)
-    return ParallelDims.from_config(job.parallel, job.model, job.training, world)
+    return resolve_layout(job.parallel, job.model, job.training, world)
 
 
 def test_rules_that_only_bind_with_the_feature_on():

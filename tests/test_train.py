@@ -63,7 +63,7 @@ def test_compile_with_tensor_parallel_is_refused():
 
     from trainer.config import JobConfig
     from trainer.errors import ConfigError
-    from trainer.train import check_job
+    from trainer.rules import check_job
 
     job = JobConfig()
     job.training.seq_len, job.training.compile, job.parallel.tp = 128, True, 2
@@ -78,7 +78,7 @@ def test_mixture_of_experts_rules_are_config_errors():
 
     from trainer.config import JobConfig, load_model_config
     from trainer.errors import ConfigError
-    from trainer.train import check_job
+    from trainer.rules import check_job
 
     def job_with(**settings):
         job = JobConfig()

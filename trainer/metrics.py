@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 
@@ -110,13 +109,6 @@ def peak_tflops(device: torch.device, setting) -> float | None:
     if setting == "auto":
         return measure_cpu_tflops()
     return None
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    # Peak resident set size of this process (kilobytes on Linux).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 class MetricsLogger:

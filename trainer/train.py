@@ -19,8 +19,9 @@ from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, Prefetcher, build_dataset, document_positions
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError
-from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_memory_gib, peak_tflops
-from trainer.models import MODEL_CLASSES, build_model, init_weights, materialize
+from trainer.memory import TensorMemory, peak_memory_gib, peak_tensor_gib
+from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_tflops
+from trainer.models import build_model, init_weights, materialize
 from trainer.models.llama import attend_within_documents
 from trainer.models.moe import set_aux_loss_scale
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -36,62 +37,7 @@ from trainer.parallel.pipeline import (
     stage_owners,
 )
 from trainer.parallel.tensor_parallel import loss_parallel_context
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_job(job: JobConfig, world: int) -> ParallelDims:
-    """Every rule a user can break, checked before any rank joins the process group."""
-    if job.model.family not in MODEL_CLASSES:
-        raise ConfigError(f"model.family={job.model.family} is unknown; choose one of {sorted(MODEL_CLASSES)}")
-    m = job.model
-    if m.family == "llama" and m.n_experts:
-        raise ConfigError(f"model.n_experts={m.n_experts} needs model.family=mixtral: a Llama block has one feed-forward")
-    if m.family == "mixtral":
-        if m.n_experts < 1:
-            raise ConfigError(f"model.n_experts={m.n_experts} must be >= 1 for model.family=mixtral")
-        if not 1 <= m.top_k <= m.n_experts:
-            raise ConfigError(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
-        if m.capacity_factor is not None and m.capacity_factor <= 0:
-            raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
-    dims = ParallelDims.from_config(job.parallel, job.model, job.training, world)
-    if m.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
-        raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true: "
-                          f"each tp rank routes its own slice of the sequence")
-    t = job.training
-    for key in ("steps", "seq_len", "global_batch_size"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 1")
-    if t.compile and dims.tp_enabled:
-        # Measured with torch 2.13: compiled blocks under sequence parallel return no gradient
-        # to the tensor-parallel embedding (its gradient is all zeros), so training would be wrong.
-        raise ConfigError(f"training.compile=true cannot be combined with parallel.tp={dims.tp} yet: compiled "
-                          f"blocks drop the embedding's gradient under tensor parallel; use training.compile=false")
-    if t.activation_checkpoint not in ("none", "full"):
-        raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be none or full in this version")
-    for key in ("param_dtype", "reduce_dtype"):
-        value = getattr(t.mixed_precision, key)
-        if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
-            raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
-    if job.metrics.log_every < 1:
-        raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
-    peak = job.metrics.peak_tflops
-    if not (peak is None or peak == "auto" or (isinstance(peak, (int, float)) and peak > 0)):
-        raise ConfigError(f"metrics.peak_tflops={peak} must be null, a positive number or auto")
-    return dims
-
-
-def check_checkpoint(node: dict) -> CheckpointConfig:
-    cfg = CheckpointConfig.from_mapping(node)
-    if cfg.interval < 1:
-        raise ConfigError(f"checkpoint.interval={cfg.interval} must be >= 1")
-    if cfg.keep_last < 0:
-        raise ConfigError(f"checkpoint.keep_last={cfg.keep_last} must be >= 0 (0 keeps every checkpoint)")
-    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():
-        raise ConfigError(f"checkpoint.resume={cfg.resume} is not a directory; use auto, none or a checkpoint's path")
-    if cfg.initial is not None and not Path(cfg.initial).is_dir():
-        raise ConfigError(f"checkpoint.initial={cfg.initial} is not a directory (a checkpoint or a Hugging Face model)")
-    return cfg
+from trainer.rules import DTYPES, check_checkpoint, check_job, param_dtype
 
 
 def build_datasets(job: JobConfig):
@@ -100,9 +46,6 @@ def build_datasets(job: JobConfig):
     t = job.training
     if job.validation.path is None:
         return (build_dataset(job.data, t.seq_len, t.seed, split) for split in ("train", "val"))
-    if job.data.source == "embedded":
-        raise ConfigError(f"validation.path={job.validation.path} needs files of your own in data.path "
-                          f"(it is read like data.path, with data.source and data.tokenizer)")
     val_data = dataclasses.replace(job.data, path=job.validation.path)
     return build_dataset(job.data, t.seq_len, t.seed, "all"), build_dataset(val_data, t.seq_len, t.seed, "all")
 
@@ -175,6 +118,11 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     flops = flops_per_token(job.model, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device) if job.model.n_experts else None
+    # On the CPU, live tensors are counted from here on: the model's, then everything the steps make.
+    tensor_memory = TensorMemory() if device.type == "cpu" else None
+    if tensor_memory is not None:
+        tensor_memory.add(model.parameters())
+        tensor_memory.__enter__()
     start = last_time = time.perf_counter()
     last_step = start_step
     for step in range(start_step + 1, t.steps + 1):
@@ -200,6 +148,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
                 "tokens_per_s": tokens_per_s,
                 "mfu": None if peak is None else tokens_per_s * flops / (peak * 1e12 * dims.world_size),
                 "mem_gib": peak_memory_gib(device),
+                "mem_tensor_gib": peak_tensor_gib(device, tensor_memory),
                 "param_mib": param_mib,
                 "elapsed_s": now - start,
             }
@@ -213,6 +162,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         if checkpointer is not None and checkpointer.after_step(step, t.steps,
                                                                 lambda: state.for_save(step, loader.position(step))):
             break
+    if tensor_memory is not None:
+        tensor_memory.__exit__(None, None, None)
     train_batches.close()
     if checkpointer is not None:
         checkpointer.close()
@@ -223,11 +174,8 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
     """This rank's model: the whole model, or its pipeline stages, each built on meta, parallelized,
     then allocated and initialised shard by shard. Returns the parts and their stage indices."""
     t = job.training
-    param_dtype = t.mixed_precision.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
     parallelize = partial(
-        PARALLELIZE[job.model.family], dims=dims, param_dtype=DTYPES[param_dtype],
+        PARALLELIZE[job.model.family], dims=dims, param_dtype=param_dtype(t.mixed_precision, device),
         reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
         compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
         cp_method=job.parallel.cp_method,

@@ -23,7 +23,6 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from trainer.errors import ConfigError
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -90,19 +89,6 @@ def split_modules(n_layers: int, n_stages: int, embedding_cost: float, output_co
         remaining -= cost
     stages[-1] += [name for name, _ in units[position:]]
     return stages
-
-
-def check_stage_modules(stages: list[list[str]], n_stages: int, n_layers: int) -> None:
-    """An explicit split must name every module once, in model order, with a layer on every stage."""
-    expected = ["tok_embeddings"] + [f"layers.{i}" for i in range(n_layers)] + ["norm", "output"]
-    given = [name for stage in stages for name in stage]
-    if len(stages) != n_stages or given != expected or any(
-        not any(name.startswith("layers.") for name in stage) for stage in stages
-    ):
-        raise ConfigError(
-            f"parallel.pp_stage_modules must be {n_stages} lists that together name {expected[0]}, "
-            f"layers.0 .. layers.{n_layers - 1}, norm, output once each in that order, each with a layer"
-        )
 
 
 def keep_modules(model: nn.Module, names: list[str]) -> nn.Module:

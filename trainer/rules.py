@@ -1,0 +1,238 @@
+"""Every rule a job's configuration must satisfy, checked without a process group.
+
+`check_job` is the one entry: train.py runs it on every rank before joining the process group,
+scripts/plan.py before planning, and the layout search on each candidate it enumerates. Rules on
+the model's shape come before the degree rules: they name the key the user most likely got wrong.
+Rules that need the data (the tokenizer's vocabulary) stay with the data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainer.config import CheckpointConfig, JobConfig
+from trainer.errors import ConfigError
+from trainer.models import MODEL_CLASSES
+from trainer.parallel.context_parallel import METHODS as CP_METHODS
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, min_microbatches, stages_per_rank
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AC_MODES = ("none", "full")
+
+
+def check_job(job: JobConfig, world: int) -> ParallelDims:
+    """Checks `job` for a world of `world` ranks; returns its layout with every `-1` resolved."""
+    check_model(job.model)
+    dims = resolve_layout(job.parallel, job.model, job.training, world)
+    if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
+        raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true: "
+                          f"each tp rank routes its own slice of the sequence")
+    check_training(job.training, dims)
+    if job.metrics.log_every < 1:
+        raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
+    peak = job.metrics.peak_tflops
+    if not (peak is None or peak == "auto" or (isinstance(peak, (int, float)) and peak > 0)):
+        raise ConfigError(f"metrics.peak_tflops={peak} must be null, a positive number or auto")
+    if job.validation.path is not None and job.data.source == "embedded":
+        raise ConfigError(f"validation.path={job.validation.path} needs files of your own in data.path "
+                          f"(it is read like data.path, with data.source and data.tokenizer)")
+    return dims
+
+
+def check_model(m) -> None:
+    if m.family not in MODEL_CLASSES:
+        raise ConfigError(f"model.family={m.family} is unknown; choose one of {sorted(MODEL_CLASSES)}")
+    if m.family == "llama" and m.n_experts:
+        raise ConfigError(f"model.n_experts={m.n_experts} needs model.family=mixtral: a Llama block has one feed-forward")
+    if m.family == "mixtral":
+        if m.n_experts < 1:
+            raise ConfigError(f"model.n_experts={m.n_experts} must be >= 1 for model.family=mixtral")
+        if not 1 <= m.top_k <= m.n_experts:
+            raise ConfigError(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
+        if m.capacity_factor is not None and m.capacity_factor <= 0:
+            raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
+
+
+def check_training(t, dims: ParallelDims) -> None:
+    for key in ("steps", "seq_len", "global_batch_size"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 1")
+    if t.compile and dims.tp_enabled:
+        # Measured with torch 2.13: compiled blocks under sequence parallel return no gradient
+        # to the tensor-parallel embedding (its gradient is all zeros), so training would be wrong.
+        raise ConfigError(f"training.compile=true cannot be combined with parallel.tp={dims.tp} yet: compiled "
+                          f"blocks drop the embedding's gradient under tensor parallel; use training.compile=false")
+    if t.activation_checkpoint not in AC_MODES:
+        raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be none or full in this version")
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(t.mixed_precision, key)
+        if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
+            raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
+
+
+def resolve_layout(parallel, model, training, world_size: int) -> ParallelDims:
+    """The layout of `parallel` on `world_size` ranks: `-1` degrees resolved, every degree rule checked."""
+    degrees = {k: getattr(parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+    for key, value in degrees.items():
+        if value == 0 or value < -1 or (value == -1 and key not in ("dp_shard", "ep")):
+            rule = "must be >= 1 or -1 (the rest)" if key in ("dp_shard", "ep") else "must be >= 1"
+            raise ConfigError(f"parallel.{key}={value} {rule}")
+    _check_model_rules(degrees, parallel, model, training)
+
+    others = degrees["dp_replicate"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
+    if degrees["dp_shard"] == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"parallel.dp_shard=-1 needs the world size {world_size} to be divisible by "
+                f"pp*dp_replicate*cp*tp={others}"
+            )
+        degrees["dp_shard"] = world_size // others
+    product = others * degrees["dp_shard"]
+    if product != world_size:
+        raise ConfigError(
+            f"parallel: pp*dp_replicate*dp_shard*cp*tp={product} must equal the world size {world_size} "
+            f"(pp={degrees['pp']}, dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']}, "
+            f"cp={degrees['cp']}, tp={degrees['tp']})"
+        )
+    _resolve_ep(degrees, model)
+
+    dims = ParallelDims(world_size=world_size, moe=model.n_experts > 0, **degrees)
+    per_step = dims.dp * training.grad_accum_steps
+    if training.global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size={training.global_batch_size} must be divisible by "
+            f"dp*grad_accum_steps={per_step} (dp={dims.dp}, grad_accum_steps={training.grad_accum_steps})"
+        )
+    if dims.pp_enabled:
+        dims.pp_stages_per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+        n_stages = dims.pp * dims.pp_stages_per_rank
+        dims.pp_microbatches = parallel.pp_microbatches or n_stages
+        batch = training.global_batch_size // per_step
+        if batch % dims.pp_microbatches:
+            raise ConfigError(
+                f"parallel.pp_microbatches={dims.pp_microbatches} must divide the batch each pipeline step runs, "
+                f"global_batch_size/(dp*grad_accum_steps)={batch}"
+            )
+        minimum = min_microbatches(parallel.pp_schedule, dims.pp, n_stages)
+        if dims.pp_microbatches < minimum:
+            raise ConfigError(
+                f"parallel.pp_microbatches={dims.pp_microbatches} must be >= {minimum} for "
+                f"parallel.pp_schedule={parallel.pp_schedule} with {n_stages} stages on parallel.pp={dims.pp} ranks"
+            )
+    return dims
+
+
+def _check_model_rules(degrees: dict, parallel, model, training) -> None:
+    tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
+    for key in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(model, key) % tp:
+            raise ConfigError(f"parallel.tp={tp} must divide model.{key}={getattr(model, key)}")
+    if parallel.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} is unknown; choose one of {list(PP_SCHEDULES)}")
+    if pp > model.n_layers:
+        raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
+    if pp > 1:
+        _check_pipeline_rules(pp, parallel, model)
+    if cp > 1:
+        if parallel.cp_method not in CP_METHODS:
+            raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of {list(CP_METHODS)}")
+        # Each cp rank holds two chunks of the sequence (load balancing, see context_parallel.py).
+        if training.seq_len % (2 * cp):
+            raise ConfigError(f"parallel.cp={cp} needs training.seq_len={training.seq_len} divisible by 2*cp={2 * cp}: "
+                              f"each cp rank holds two equal chunks of the sequence")
+    if training.seq_len > model.max_seq_len:
+        raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len} "
+                          f"(set training.seq_len; +smoke=cpu sets 128 for a CPU run)")
+    if training.grad_accum_steps < 1:
+        raise ConfigError(f"training.grad_accum_steps={training.grad_accum_steps} must be >= 1")
+    if tp > 1:
+        if parallel.loss_parallel and model.vocab_size % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} when parallel.loss_parallel=true"
+            )
+        shards = tp * (2 * cp if cp > 1 else 1)
+        if parallel.sequence_parallel and training.seq_len % shards:
+            with_cp = f" x 2*cp={2 * cp}" if cp > 1 else ""
+            raise ConfigError(
+                f"parallel.tp={tp}{with_cp} must divide training.seq_len={training.seq_len} "
+                f"when parallel.sequence_parallel=true"
+            )
+        if model.tie_embeddings:
+            raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
+                              f"are split on different dimensions")
+
+
+def _resolve_ep(degrees: dict, model) -> None:
+    """ep is taken from the dp_shard x cp ranks; -1 means all of them (1 for a dense model)."""
+    ep, ranks = degrees["ep"], degrees["dp_shard"] * degrees["cp"]
+    if ep == -1:
+        degrees["ep"] = ep = ranks if model.n_experts else 1
+    if ep > 1 and not model.n_experts:
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
+    if model.n_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={model.n_experts}")
+    if ranks % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the ranks it is taken from, dp_shard*cp={ranks} "
+                          f"(dp_shard={degrees['dp_shard']}, cp={degrees['cp']})")
+
+
+def _check_pipeline_rules(pp: int, parallel, model) -> None:
+    per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+    schedule = parallel.pp_schedule
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 1 for parallel.pp_schedule={schedule}")
+    if schedule in V_SHAPED and per_rank != 2:
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 2 for parallel.pp_schedule={schedule}")
+    if per_rank < 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be >= 1")
+    n_stages = pp * per_rank
+    if n_stages > model.n_layers:
+        raise ConfigError(
+            f"parallel.pp={pp} x pp_stages_per_rank={per_rank} = {n_stages} stages must not exceed "
+            f"model.n_layers={model.n_layers}: every stage needs a layer"
+        )
+    if model.tie_embeddings:
+        raise ConfigError(f"parallel.pp={pp} needs model.tie_embeddings=false: the embedding and the output "
+                          f"head sit on different stages")
+    if parallel.pp_microbatches is not None and parallel.pp_microbatches < 1:
+        raise ConfigError(f"parallel.pp_microbatches={parallel.pp_microbatches} must be >= 1")
+    if parallel.pp_stage_modules is not None:
+        _check_stage_modules(parallel.pp_stage_modules, n_stages, model.n_layers)
+
+
+def _check_stage_modules(stages: list[list[str]], n_stages: int, n_layers: int) -> None:
+    """An explicit split must name every module once, in model order, with a layer on every stage."""
+    expected = ["tok_embeddings"] + [f"layers.{i}" for i in range(n_layers)] + ["norm", "output"]
+    given = [name for stage in stages for name in stage]
+    if len(stages) != n_stages or given != expected or any(
+        not any(name.startswith("layers.") for name in stage) for stage in stages
+    ):
+        raise ConfigError(
+            f"parallel.pp_stage_modules must be {n_stages} lists that together name {expected[0]}, "
+            f"layers.0 .. layers.{n_layers - 1}, norm, output once each in that order, each with a layer"
+        )
+
+
+def check_checkpoint(node: dict) -> CheckpointConfig:
+    cfg = CheckpointConfig.from_mapping(node)
+    if cfg.interval < 1:
+        raise ConfigError(f"checkpoint.interval={cfg.interval} must be >= 1")
+    if cfg.keep_last < 0:
+        raise ConfigError(f"checkpoint.keep_last={cfg.keep_last} must be >= 0 (0 keeps every checkpoint)")
+    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():
+        raise ConfigError(f"checkpoint.resume={cfg.resume} is not a directory; use auto, none or a checkpoint's path")
+    if cfg.initial is not None and not Path(cfg.initial).is_dir():
+        raise ConfigError(f"checkpoint.initial={cfg.initial} is not a directory (a checkpoint or a Hugging Face model)")
+    return cfg
+
+
+def param_dtype(mixed_precision, device: torch.device | str) -> torch.dtype:
+    """The dtype parameters compute in: `auto` is bf16 on CUDA, fp32 on the CPU."""
+    name = mixed_precision.param_dtype
+    if name == "auto":
+        name = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    return DTYPES[name]
