@@ -138,6 +138,14 @@ class ValidationConfig:
 
 
 @dataclass
+class PlanConfig:
+    check: bool = True  # refuse a job the memory plan predicts will not fit the device
+    # The hardware a recipe is sized for: scripts/plan.py's defaults for --device and --world.
+    device: Optional[str] = None
+    world_size: Optional[int] = None
+
+
+@dataclass
 class CheckpointConfig:
     enabled: bool = False
     interval: int = 500  # save every `interval` steps, and at the last step
@@ -183,6 +191,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: Dict[str, Any] = field(default_factory=_checkpoint_keys)
 
 

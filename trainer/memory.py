@@ -4,6 +4,8 @@ On CUDA the caching allocator counts tensor bytes itself. On the CPU nothing doe
 `TensorMemory` watches every operator's outputs (a dispatch mode on the training thread) and
 counts each new storage's bytes until the storage is freed: what the plan's prediction is held
 against. Storages are counted once however many views share them; a DTensor counts its local shard.
+FSDP frees and re-allocates its gathered parameters by resizing their storages in place, which no
+operator shows, so while a tracker is active storage resizes are counted too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 GIB = 2**30
+_storage_resize = torch.UntypedStorage.resize_
 
 
 class TensorMemory(TorchDispatchMode):
@@ -26,7 +29,8 @@ class TensorMemory(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._storages: dict[int, weakref.ref] = {}
+        self._sizes: dict[int, int] = {}  # id of a live storage -> its bytes
+        self._refs: dict[int, weakref.ref] = {}
 
     def add(self, tensors) -> None:
         """Counts tensors made before tracking began (the model's parameters)."""
@@ -43,17 +47,36 @@ class TensorMemory(TorchDispatchMode):
             return
         storage = t.untyped_storage()
         key = id(storage)
-        if key in self._storages:
+        if key in self._sizes:
             return
-        nbytes = storage.nbytes()
         # torch keeps one Python object per live storage, so its weak reference dies with the storage.
-        self._storages[key] = weakref.ref(storage, lambda _, key=key, nbytes=nbytes: self._free(key, nbytes))
-        self.live += nbytes
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+        self._sizes[key] = 0
+        self._resized(key, storage.nbytes())
+
+    def _resized(self, key: int, nbytes: int) -> None:
+        self.live += nbytes - self._sizes[key]
+        self._sizes[key] = nbytes
         self.peak = max(self.peak, self.live)
 
-    def _free(self, key: int, nbytes: int) -> None:
-        if self._storages.pop(key, None) is not None:
-            self.live -= nbytes
+    def _free(self, key: int) -> None:
+        self._refs.pop(key, None)
+        self.live -= self._sizes.pop(key, 0)
+
+    def __enter__(self):
+        tracker = self
+
+        def resize(storage, nbytes):
+            _storage_resize(storage, nbytes)
+            if id(storage) in tracker._sizes:
+                tracker._resized(id(storage), storage.nbytes())
+
+        torch.UntypedStorage.resize_ = resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = _storage_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -37,6 +38,8 @@ from trainer.parallel.pipeline import (
     stage_owners,
 )
 from trainer.parallel.tensor_parallel import loss_parallel_context
+from trainer.plan import make_plan
+from trainer.plan.devices import local_device
 from trainer.rules import DTYPES, check_checkpoint, check_job, param_dtype
 
 
@@ -56,19 +59,29 @@ def run(cfg: DictConfig) -> None:
     device = resolve_device(job.device)
     dims = check_job(job, world_size())
     checkpoint = check_checkpoint(job.checkpoint)
+    predicted = check_memory(job, dims, device) if job.plan.check else None
     dataset, val_dataset = build_datasets(job)
     if dataset.vocab_size > job.model.vocab_size:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
                           f"(data.tokenizer={job.data.tokenizer})")
     init_distributed(device)
     try:
-        train(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset)
+        train(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset, predicted)
     finally:
         shutdown()
 
 
+def check_memory(job: JobConfig, dims: ParallelDims, device: torch.device) -> float:
+    """The plan's peak bytes on this rank's pipeline position; a `config error:` if it will not fit."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    plan = make_plan(job, dims, local_device(device, local_ranks))
+    plan.check_fits()
+    pp_rank = int(os.environ.get("RANK", "0")) // (dims.world_size // dims.pp)
+    return plan.ranks[pp_rank].peak
+
+
 def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: CheckpointConfig, device: torch.device,
-          dataset, val_dataset) -> None:
+          dataset, val_dataset, predicted: float | None) -> None:
     t = job.training
     dims.build_mesh(device.type)
     rank = dist.get_rank()
@@ -84,6 +97,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
         print(describe_layout(dims, total, sum(p.numel() for p in held), param_mib), flush=True)
+        if predicted is not None:
+            print(f"plan: predicted peak {predicted / 2**30:.2f} GiB of tensors on rank 0", flush=True)
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
     step_fn, eval_fn = make_step_fns(job, dims, device, parts, stages, loss_parallel)
 
@@ -158,6 +173,10 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
                 val_losses = [eval_fn(microbatches(val_loader, i)) for i in range(job.validation.steps)]
                 record["val_loss"] = job_loss(torch.stack(val_losses).mean(), dims)
             logger.log(record)
+            if predicted is not None and record["mem_tensor_gib"] is not None:
+                log(f"plan: measured peak {record['mem_tensor_gib']:.2f} GiB of tensors on rank 0 by step {step} "
+                    f"(predicted {predicted / 2**30:.2f})")
+                predicted = None  # said once
             last_step, last_time = step, time.perf_counter()
         if checkpointer is not None and checkpointer.after_step(step, t.steps,
                                                                 lambda: state.for_save(step, loader.position(step))):

@@ -1,0 +1,123 @@
+"""Per-rank memory and step time of a job at its real size, before launching it.
+
+    python scripts/plan.py +recipe=llama_4d                       # the recipe on its stated hardware
+    python scripts/plan.py +recipe=llama_fsdp --world 16 --device a100 training.activation_checkpoint=full
+    python scripts/plan.py +recipe=llama_tp2_pp4 --json
+    python scripts/plan.py --search --gpus 64 --device h100 model=llama3_70b
+
+Overrides are train.py's. `--world` and `--device` default to the recipe's `plan.world_size` and
+`plan.device` (else 1 rank of an h100). One process plays every rank in a fake process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from trainer.config import CONFIG_DIR, check_group_choices, register_configs  # noqa: E402
+from trainer.errors import ConfigError  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, help="ranks (default: the recipe's plan.world_size)")
+    parser.add_argument("--device", help="h100, h200, a100, b200 or cpu (default: the recipe's plan.device)")
+    parser.add_argument("--device-memory-gib", type=float, help="memory per device, instead of the table's")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--search", action="store_true", help="rank the layouts that fit --gpus devices")
+    parser.add_argument("--gpus", type=int, help="with --search: the number of devices")
+    parser.add_argument("--gpus-per-node", type=int, help="with --search: devices per node (default: the table's)")
+    parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        check_group_choices(overrides)
+        register_configs()
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+        if args.search:
+            return search_command(job, args)
+        return plan_command(job, args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+def plan_command(job, args) -> int:
+    from trainer.plan import make_plan
+    from trainer.plan.devices import get_device
+    from trainer.rules import check_job
+
+    world = args.world or job.plan.world_size or 1
+    if world < 1:
+        raise ConfigError(f"--world={world} must be >= 1")
+    device = get_device(args.device or job.plan.device or "h100", args.device_memory_gib, world)
+    plan = make_plan(job, check_job(job, world), device)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=1))
+    else:
+        print(format_plan(plan, job))
+    return 0 if plan.fits else 1
+
+
+def search_command(job, args) -> int:
+    from trainer.plan.devices import get_device
+    from trainer.plan.search import format_search, search
+
+    if not args.gpus or args.gpus < 1:
+        raise ConfigError("--search needs --gpus N (N >= 1)")
+    device = get_device(args.device or job.plan.device or "h100", args.device_memory_gib, args.gpus)
+    if args.gpus_per_node:
+        from dataclasses import replace
+
+        device = replace(device, per_node=args.gpus_per_node)
+    results = search(job, args.gpus, device)
+    if args.json:
+        print(json.dumps([plan.to_json() | {"overrides": overrides} for plan, overrides in results[:args.top]],
+                         indent=1))
+    else:
+        print(format_search(results[:args.top], job, args.gpus, device))
+    return 0
+
+
+def format_plan(plan, job) -> str:
+    from trainer.plan import GIB
+
+    d = plan.dims
+    t = job.training
+    degrees = " ".join(f"{k}={getattr(d, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
+    lines = [
+        f"{job.model.name} on {plan.world_size} x {plan.device.name} ({plan.device.memory_gib:.0f} GiB each) | {degrees}",
+        f"batch {t.global_batch_size} x {t.seq_len} tokens, accumulation {t.grad_accum_steps}, "
+        f"{d.pp_microbatches} pipeline microbatches, activation checkpointing {t.activation_checkpoint}",
+        "",
+        f"{'pp rank':>7} | {'params':>7} | {'grads':>7} | {'optim':>7} | {'gathered':>8} | {'activ.':>7} | "
+        f"{'buffers':>7} | {'peak GiB':>8}",
+    ]
+    for r in plan.ranks:
+        values = [r.params, r.grads, r.optimizer, r.gathered, r.activations, r.buffers]
+        lines.append(f"{r.pp_rank:>7} | " + " | ".join(f"{v / GIB:>7.2f}" for v in values[:3])
+                     + f" | {values[3] / GIB:>8.2f} | {values[4] / GIB:>7.2f} | {values[5] / GIB:>7.2f} | "
+                     + f"{r.peak / GIB:>8.2f}")
+    usable = plan.device.memory_gib * 0.9
+    verdict = "fits" if plan.fits else "does NOT fit"
+    tm = plan.time
+    lines += [
+        "",
+        f"peak {plan.peak / GIB:.1f} GiB of {usable:.1f} usable: {verdict}",
+        f"step {tm.step_s:.2f} s (compute {tm.compute_s:.2f}, fsdp {tm.fsdp_s:.2f} overlapped, tp {tm.tp_s:.2f}, "
+        f"cp {tm.cp_s:.2f}, ep {tm.ep_s:.2f}, pp {tm.pp_s:.2f}, bubble {100 * tm.bubble:.0f}%)",
+        f"{plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,152 @@
+"""The plan of a job before it runs: bytes per rank at the peak, and seconds per step.
+
+    plan = make_plan(job, dims, get_device("h100"))
+    plan.fits, plan.ranks[0].peak, plan.tokens_per_s
+
+`layout.py` reads what each rank holds from the real parallelized module tree (a fake world of
+the job's size), `memory.py` adds activations and buffers and finds the peak, `time.py` turns
+FLOPs and bytes into seconds. `search.py` enumerates layouts and ranks them by the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.metrics import flops_per_token
+from trainer.parallel.dims import ParallelDims
+from trainer.plan.devices import Device
+from trainer.plan.layout import holdings
+from trainer.plan.memory import FP32, RankMemory, Shapes, rank_memory
+from trainer.plan.time import StepTime, step_time
+from trainer.rules import DTYPES
+
+GIB = 2**30
+# The memory a plan leaves free: fragmentation, the CUDA context's growth, NCCL's buffers.
+MARGIN = 0.10
+
+
+@dataclass
+class Plan:
+    world_size: int
+    device: Device
+    dims: ParallelDims
+    ranks: list[RankMemory]
+    time: StepTime
+    tokens_per_step: int
+    flops_per_token: float
+    peak_tflops: float
+
+    @property
+    def peak(self) -> float:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.device.memory_gib * GIB * (1 - MARGIN)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.time.step_s if self.time.step_s > 0 else float("nan")
+
+    @property
+    def mfu(self) -> float:
+        if self.peak_tflops <= 0:
+            return float("nan")
+        return self.tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
+
+    def to_json(self) -> dict:
+        d = self.dims
+        return {
+            "world_size": self.world_size,
+            "device": self.device.name,
+            "device_memory_gib": self.device.memory_gib,
+            "layout": {k: getattr(d, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")},
+            "fits": self.fits,
+            "peak_gib": self.peak / GIB,
+            "step_time_s": self.time.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "time": asdict(self.time),
+            "ranks": [
+                {"pp_rank": r.pp_rank, **{f"{k}_gib": getattr(r, k) / GIB for k in
+                                          ("params", "grads", "optimizer", "gathered", "activations", "buffers", "peak")}}
+                for r in self.ranks
+            ],
+        }
+
+    def check_fits(self) -> None:
+        """A `config error:` naming the largest term when the peak exceeds the device's memory."""
+        if self.fits:
+            return
+        rank = max(self.ranks, key=lambda r: r.peak)
+        name, value = rank.largest()
+        usable = self.device.memory_gib * (1 - MARGIN)
+        where = f" on pipeline rank {rank.pp_rank}" if self.dims.pp_enabled else ""
+        raise ConfigError(
+            f"plan: the job needs {rank.peak / GIB:.1f} GiB per rank{where}, more than the {usable:.1f} GiB usable of "
+            f"{self.device.memory_gib:.1f} on {self.device.name} (largest term: {name} {value / GIB:.1f} GiB); "
+            f"{_advice(name)} (or plan.check=false to run anyway)"
+        )
+
+
+def _advice(term: str) -> str:
+    if term == "activations":
+        return ("set training.activation_checkpoint=full, raise training.grad_accum_steps or parallel.tp/cp, "
+                "or lower training.seq_len")
+    if term in ("params", "grads", "optimizer"):
+        return "shard over more ranks (parallel.dp_shard, tp or pp) or use a smaller model"
+    return "raise parallel.tp or parallel.pp, or shard over more ranks"
+
+
+def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
+    """The plan of `job` laid out as `dims` on `device`s (run `check_job` first)."""
+    m, t, p = job.model, job.training, job.parallel
+    name = t.mixed_precision.param_dtype
+    dtype = DTYPES[name] if name != "auto" else (torch.float32 if device.name == "cpu" else torch.bfloat16)
+    act_bytes = torch.finfo(dtype).bits // 8
+    per_microbatch = t.global_batch_size // (dims.dp * t.grad_accum_steps * dims.pp_microbatches)
+    shapes = Shapes(
+        tokens=per_microbatch * t.seq_len // dims.cp, seq=t.seq_len, dim=m.dim, ffn_dim=m.ffn_dim,
+        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
+        sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
+        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k,
+    )
+    schedule = p.pp_schedule if dims.pp_enabled else None
+    n_stages = dims.pp * dims.pp_stages_per_rank
+    ranks = []
+    stages_by_rank = holdings(job, dims)
+    for pp_rank, stages in enumerate(stages_by_rank):
+        ranks.append(rank_memory(
+            pp_rank, stages, shapes, activation_checkpoint=t.activation_checkpoint, schedule=schedule, pp=dims.pp,
+            n_microbatches=dims.pp_microbatches, grad_accum=t.grad_accum_steps, param_bytes=act_bytes,
+            has_loss=any(s.stage == n_stages - 1 for s in stages),
+        ))
+
+    flops = flops_per_token(m, t.seq_len)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    recompute = t.activation_checkpoint == "full"
+    # Full checkpointing runs each block's forward twice: 4/3 of the blocks' work.
+    flops_per_rank = flops * tokens_per_step / dims.world_size * (4 / 3 if recompute else 1)
+    # The busiest pipeline rank sets the pace.
+    busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
+    units = [u for s in busiest for u in s.units]
+    head = m.dim // m.n_heads
+    stream = shapes.tokens * m.dim * act_bytes
+    peak_tflops = device.peak_tflops(dtype)
+    timing = step_time(
+        flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=peak_tflops, dims=dims,
+        gathered_bytes=sum(u.gathered for u in units) * act_bytes,
+        grad_bytes=sum(u.gathered for u in units) * FP32,
+        sharded_grad_bytes=sum(u.sharded for u in units) * FP32,
+        act_stream_bytes=stream, kv_bytes=2 * shapes.tokens * m.n_kv_heads * head // dims.tp * act_bytes,
+        expert_bytes=shapes.tokens * m.top_k * m.dim * act_bytes,
+        layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
+        microbatches_per_rank=t.grad_accum_steps * dims.pp_microbatches * len(busiest), accum=t.grad_accum_steps,
+        recompute=recompute, schedule=schedule, per_rank_stages=dims.pp_stages_per_rank,
+        n_microbatches=dims.pp_microbatches,
+    )
+    return Plan(dims.world_size, device, dims, ranks, timing, tokens_per_step, flops, peak_tflops)

@@ -1,0 +1,88 @@
+"""The hardware a plan is made for: memory, peak compute and link bandwidths per device.
+
+Figures are the vendors' dense (no sparsity) peaks and nominal link rates; the time model
+applies its own efficiency factors to them. `cpu` is measured on this machine when asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gib: float  # usable memory per device
+    bf16_tflops: float  # dense peak
+    fp32_tflops: float  # dense fp32 peak (TF32 tensor cores on GPUs)
+    intra_gbps: float  # GB/s one way per device within a node (NVLink)
+    inter_gbps: float  # GB/s one way per device across nodes (InfiniBand / RoCE)
+    per_node: int  # devices per node
+
+    def peak_tflops(self, dtype: torch.dtype) -> float:
+        return self.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_tflops
+
+
+# Memory is what CUDA reports as total for one device, less about 1.5 GiB the context takes.
+DEVICES = {
+    "h100": Device("h100", 78.0, 989.0, 494.0, 450.0, 50.0, 8),  # H100 SXM 80GB, NVLink 4, 400 Gb/s NIC per GPU
+    "h200": Device("h200", 138.0, 989.0, 494.0, 450.0, 50.0, 8),  # H200 SXM 141GB
+    "a100": Device("a100", 78.0, 312.0, 156.0, 300.0, 25.0, 8),  # A100 SXM 80GB, NVLink 3, 200 Gb/s NIC
+    "b200": Device("b200", 178.0, 2250.0, 1125.0, 900.0, 50.0, 8),  # B200 180GB, NVLink 5
+}
+
+
+def get_device(name: str, memory_gib: float | None = None, world: int = 1) -> Device:
+    """A device of the table, or `cpu`: this machine, timed (a matmul, memory shared by `world` ranks)."""
+    if name == "cpu":
+        device = measure_cpu(world)
+    elif name in DEVICES:
+        device = DEVICES[name]
+    else:
+        raise ConfigError(f"device {name} is unknown; choose one of {['cpu', *DEVICES]}")
+    return device if memory_gib is None else replace(device, memory_gib=memory_gib)
+
+
+def available_memory_gib() -> float:
+    """What this machine can still give (MemAvailable), in GiB."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30
+
+
+def measure_cpu(world: int, size: int = 512, seconds: float = 0.2) -> Device:
+    """This CPU as one device per rank: its cores shared by `world` ranks, its memory too."""
+    threads = torch.get_num_threads()
+    ranks_per_core = max(1, world * int(os.environ.get("OMP_NUM_THREADS", threads)) // (os.cpu_count() or 1))
+    tflops = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            runs += 1
+        tflops[dtype] = 2 * size**3 * runs / (time.perf_counter() - start) / 1e12 / ranks_per_core
+    # gloo between processes on one machine moves roughly a few GB/s through shared memory and TCP.
+    return Device("cpu", available_memory_gib() / world, tflops[torch.bfloat16], tflops[torch.float32], 2.0, 2.0,
+                  world)
+
+
+def local_device(device: torch.device, local_ranks: int) -> Device:
+    """The device this rank runs on, for the memory check before launch: a CUDA device's total
+    memory (its compute figures from the table by name), or the CPU's available memory shared by
+    the ranks of this machine (compute figures unmeasured)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = next((key for key in DEVICES if key in props.name.lower()), None)
+        base = DEVICES[name] if name else Device(props.name, 0.0, 0.0, 0.0, 0.0, 0.0, 8)
+        return replace(base, memory_gib=props.total_memory / 2**30)
+    return Device("cpu", available_memory_gib() / local_ranks, 0.0, 0.0, 2.0, 2.0, local_ranks)

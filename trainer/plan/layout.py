@@ -1,0 +1,127 @@
+"""What each rank holds of the model, read from the real parallelized module tree.
+
+The model is built on the meta device and handed to the same parallelize function training
+uses, on a mesh of the job's real world size made by torch's `fake` process-group backend (one
+process plays rank 0 of any world). Each parameter's local shard then has the shape training
+would give it, so the plan cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from trainer.config import JobConfig
+from trainer.models import build_model
+from trainer.models.llama import attend_within_documents
+from trainer.parallel import PARALLELIZE
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import keep_modules, split_modules, stage_ids
+from trainer.rules import DTYPES
+
+# The mesh dimensions FSDP shards parameters over (dp_replicate only replicates them).
+FSDP_DIMS = ("dp_shard_cp", "dp_shard_mod_ep")
+
+
+@dataclass
+class Unit:
+    """One FSDP unit on one rank: its parameters' elements as held (sharded) and as gathered."""
+
+    name: str
+    sharded: int
+    gathered: int
+
+
+@dataclass
+class StageHoldings:
+    stage: int
+    modules: list[str]  # the top-level modules and layers of this stage
+    units: list[Unit]
+
+    @property
+    def layers(self) -> int:
+        return sum(name.startswith("layers.") for name in self.modules)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A process group of `world_size` ranks in this one process (rank 0), for building meshes
+    and sharding meta tensors; nothing is communicated."""
+    # torch's fake backend ships with its test utilities; FakeStore is the store it pairs with.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
+    """For each pipeline rank, the stages it holds and their FSDP units (a fake world of the job's size)."""
+    t = job.training
+    dims = dataclasses.replace(dims)  # a mesh of its own, in the fake world
+    with fake_world(dims.world_size):
+        dims.build_mesh("cpu")
+        parallelize = partial(
+            PARALLELIZE[job.model.family], dims=dims, param_dtype=DTYPES["float32"], reduce_dtype=DTYPES["float32"],
+            activation_checkpoint="none", compile=False, sequence_parallel=job.parallel.sequence_parallel,
+            loss_parallel=job.parallel.loss_parallel, cp_method=job.parallel.cp_method,
+        )
+        n_stages = dims.pp * dims.pp_stages_per_rank
+        every = ["tok_embeddings", *(f"layers.{i}" for i in range(job.model.n_layers)), "norm", "output"]
+        modules = [every] if not dims.pp_enabled else job.parallel.pp_stage_modules or split_modules(
+            job.model.n_layers, n_stages, job.parallel.pp_embedding_cost, job.parallel.pp_output_cost)
+        by_stage = {}
+        for stage in range(n_stages):
+            model = build_model(job.model, device="meta")
+            if job.data.document_mask:
+                attend_within_documents(model)
+            if dims.pp_enabled:
+                keep_modules(model, modules[stage])
+            parallelize(model)
+            by_stage[stage] = StageHoldings(stage, modules[stage], _units(model, dims.ep_enabled))
+    return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
+            for r in range(dims.pp)]
+
+
+def _units(model: torch.nn.Module, experts_apart: bool) -> list[Unit]:
+    """The FSDP units of a parallelized model: each block (with expert parallel, its experts apart),
+    then the root's own parameters."""
+    units = []
+    claimed = set()
+    for index, block in model.layers.items():
+        experts = getattr(block.feed_forward, "experts", None)
+        if experts_apart and experts is not None:
+            units.append(_unit(f"layers.{index}.experts", experts.parameters()))
+            claimed |= {id(p) for p in experts.parameters()}
+        units.append(_unit(f"layers.{index}", (p for p in block.parameters() if id(p) not in claimed)))
+        claimed |= {id(p) for p in block.parameters()}
+    units.append(_unit("root", (p for p in model.parameters() if id(p) not in claimed)))
+    return units
+
+
+def _unit(name: str, params) -> Unit:
+    sharded = gathered = 0
+    for p in params:
+        local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+        sharded += local
+        gathered += local * _fsdp_factor(p)
+    return Unit(name, sharded, gathered)
+
+
+def _fsdp_factor(p: torch.Tensor) -> int:
+    """How many ranks FSDP splits this parameter over (1 if none)."""
+    if not isinstance(p, DTensor):
+        return 1
+    mesh, factor = p.device_mesh, 1
+    for name, placement in zip(mesh.mesh_dim_names or (), p.placements):
+        if name in FSDP_DIMS and not isinstance(placement, Replicate):  # Shard, or FSDP's strided shard over TP's
+            factor *= mesh.size(mesh.mesh_dim_names.index(name))
+    return factor

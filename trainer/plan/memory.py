@@ -1,0 +1,164 @@
+"""Bytes each rank holds at its peak, term by term.
+
+The parameters' terms come from the real module tree (layout.py); activations are counted from the
+model's shapes, tensor by tensor, as the code saves them for backward. Two moments compete for the
+peak: the start of backward (every saved activation, the logits and the loss's float copies) and the
+optimizer step (every gradient, plus the temporaries of the fused AdamW update).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
+from trainer.plan.layout import StageHoldings
+
+FP32 = 4
+
+
+@dataclass
+class Shapes:
+    """What one rank's layers see in one microbatch."""
+
+    tokens: int  # tokens of the microbatch on this rank (batch x seq / cp)
+    seq: int  # the whole sequence length
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    vocab: int
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    cp_method: str
+    act_bytes: int  # bytes per element of activations (the compute dtype)
+    n_experts: int = 0
+    top_k: int = 0
+
+
+@dataclass
+class RankMemory:
+    """Bytes on one rank (one pipeline position), each term as held at the peak."""
+
+    pp_rank: int
+    params: float  # sharded fp32 parameters
+    grads: float  # sharded fp32 gradients
+    optimizer: float  # AdamW's two moments
+    gathered: float  # parameters FSDP holds unsharded (compute dtype)
+    activations: float  # saved for backward, at the start of backward
+    buffers: float  # communication and transient buffers
+    peak: float  # the larger of the two moments
+
+    def largest(self) -> tuple[str, float]:
+        terms = {k: getattr(self, k) for k in ("params", "grads", "optimizer", "gathered", "activations", "buffers")}
+        name = max(terms, key=terms.get)
+        return name, terms[name]
+
+
+def layer_activation_bytes(s: Shapes) -> float:
+    """Bytes one transformer block saves for backward in one microbatch (no checkpointing)."""
+    t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
+    # The residual stream (norm inputs) is split over tp ranks under sequence parallel.
+    stream = t // tp if s.sequence_parallel and tp > 1 else t
+    elements = 2 * stream * s.dim  # the two norms' inputs
+    elements += 2 * t * s.dim  # the (gathered) inputs of the q/k/v and the feed-forward projections
+    kv = t * s.n_kv_heads * head // tp
+    elements += t * s.dim // tp + 2 * kv  # q, k, v (after the rotary embedding)
+    elements += 2 * t * s.dim // tp  # attention's output and its copy into the output projection
+    if s.cp > 1 and s.cp_method == "allgather":
+        elements += 2 * kv * s.cp  # the gathered keys and values
+    if s.n_experts:
+        # Router and dropless experts: each token's top_k copies, their SwiGLU and their outputs
+        # (the expert load assumed even).
+        slots = t * s.top_k // (tp if s.sequence_parallel and tp > 1 else 1)
+        elements += slots * (2 * s.dim + 4 * s.ffn_dim)
+        fp32 = stream * s.n_experts * 3 + slots * 2  # router logits and probabilities, routing weights
+    else:
+        elements += 4 * t * s.ffn_dim // tp  # gate, its SiLU, up, and their product
+        fp32 = 0
+    fp32 += t * s.n_heads // tp + 2 * t * head  # attention's log-sum-exp; the rotary cos and sin
+    return elements * s.act_bytes + fp32 * FP32
+
+
+def checkpointed_layer_bytes(s: Shapes) -> float:
+    """Bytes a fully checkpointed block keeps: its input."""
+    stream = s.tokens // s.tp if s.sequence_parallel and s.tp > 1 else s.tokens
+    return stream * s.dim * s.act_bytes
+
+
+def loss_bytes(s: Shapes) -> float:
+    """The last stage's head at the start of backward: the final norm's input, the head's gathered
+    input, the logits, their float copy, log-softmax's output and the gradient it returns."""
+    stream = s.tokens // s.tp if s.sequence_parallel and s.tp > 1 else s.tokens
+    vocab = s.vocab // s.tp if s.loss_parallel and s.tp > 1 else s.vocab
+    logits = s.tokens * vocab
+    copies = logits * (s.act_bytes + (FP32 if s.act_bytes != FP32 else 0) + 2 * FP32)
+    return copies + (stream + s.tokens) * s.dim * s.act_bytes
+
+
+def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank: int, n_microbatches: int) -> int:
+    """Stage-microbatches whose activations one pipeline rank holds at once, at most.
+
+    gpipe runs every forward first; 1F1B-style schedules hold as many as the stages still ahead
+    (their warm-up); the interleaved and V-shaped ones warm up over each of their stages.
+    """
+    if schedule is None:
+        return 1
+    total = n_microbatches * per_rank
+    if schedule == "gpipe":
+        return total
+    if schedule in SINGLE_STAGE:
+        return min(total, pp - pp_rank)
+    if schedule in V_SHAPED:
+        return min(total, 2 * (pp - pp_rank))
+    return min(total, (per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+
+
+def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activation_checkpoint: str,
+                schedule: str | None, pp: int, n_microbatches: int, grad_accum: int, param_bytes: int,
+                has_loss: bool) -> RankMemory:
+    sharded = sum(u.sharded for stage in stages for u in stage.units)
+    params = sharded * FP32
+    grads = sharded * FP32
+    optimizer = 2 * sharded * FP32
+    units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
+    if schedule is not None:
+        # Under pipeline parallel a stage keeps its parameters gathered from forward to backward,
+        # and its unsharded gradients accumulate over the microbatches until the step's last.
+        gathered = sum(u.gathered for u in units) * param_bytes
+        unsharded_grads = sum(u.gathered for u in units) * FP32
+    else:
+        # The root (embedding, norm, head) stays gathered; a block computes while the next is gathered.
+        root = next((u.gathered for u in units if u.name == "root"), 0)
+        blocks = [u.gathered for u in units if u.name != "root"]
+        gathered = (root + sum(blocks[:2])) * param_bytes
+        unsharded_grads = 0
+
+    layers = sum(stage.layers for stage in stages)
+    per_layer = layer_activation_bytes(s)
+    in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
+    stage_layers = layers / len(stages)  # activations of one stage-microbatch
+    if activation_checkpoint == "full":
+        saved = in_flight * stage_layers * checkpointed_layer_bytes(s) + per_layer  # one block recomputed
+    else:
+        saved = in_flight * stage_layers * per_layer
+    activations = saved + (loss_bytes(s) if has_loss else 0)
+
+    largest_unit = max((u.gathered for u in units), default=0)
+    # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them.
+    buffers = 2 * largest_unit * FP32 + unsharded_grads
+    if schedule is not None:
+        buffers += 2 * in_flight * s.tokens * s.dim * s.act_bytes  # stage inputs and their gradients
+    held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
+
+    start_of_backward = params + optimizer + gathered + activations + buffers + held_grads
+    # AdamW (foreach) makes one temporary as large as the parameters for the update.
+    optimizer_step = params + optimizer + grads + params
+    return RankMemory(pp_rank, params, grads, optimizer, gathered, activations, buffers,
+                      max(start_of_backward, optimizer_step))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

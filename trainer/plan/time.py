@@ -1,0 +1,92 @@
+"""Seconds per optimizer step: compute at the device's peak times an efficiency, the bytes each
+mesh dimension moves over the link it spans, and the pipeline's bubble."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
+from trainer.plan.devices import Device
+
+# Share of the peak that a transformer's matmuls sustain (GPUs: large bf16 GEMMs with attention
+# and element-wise work around them; the CPU's peak is already a measured matmul, so only the
+# element-wise work and the framework's own time are left to cover).
+COMPUTE_EFFICIENCY = {"gpu": 0.55, "cpu": 0.6}
+# Share of the link's nominal bandwidth a ring collective sustains.
+LINK_EFFICIENCY = 0.7
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    fsdp_s: float  # all-gathers and reduce-scatters (overlapped with compute)
+    tp_s: float  # tensor/sequence-parallel collectives (exposed)
+    cp_s: float  # the ring's K/V passes (half hidden behind the blocks' attention)
+    ep_s: float  # expert all-to-alls (exposed)
+    pp_s: float  # stage-to-stage sends (exposed)
+    bubble: float  # the pipeline's idle share of the step
+    step_s: float
+
+
+def spans_nodes(inner: int, size: int, per_node: int) -> bool:
+    """Whether a group of `size` ranks, `inner` ranks apart, leaves one node."""
+    return inner * size > per_node
+
+
+def link_gbps(device: Device, inner: int, size: int) -> float:
+    return (device.inter_gbps if spans_nodes(inner, size, device.per_node) else device.intra_gbps) * LINK_EFFICIENCY
+
+
+def ring_seconds(nbytes: float, ranks: int, gbps: float) -> float:
+    """A ring all-gather or reduce-scatter of `nbytes` (the whole, gathered size) over `ranks`."""
+    return 0.0 if ranks <= 1 else nbytes * (ranks - 1) / ranks / (gbps * 1e9)
+
+
+def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims, gathered_bytes: float,
+              grad_bytes: float, sharded_grad_bytes: float, act_stream_bytes: float, kv_bytes: float,
+              expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int, accum: int,
+              recompute: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int) -> StepTime:
+    """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py)."""
+    kind = "cpu" if device.name == "cpu" else "gpu"
+    peak = dtype_peak_tflops * 1e12 * COMPUTE_EFFICIENCY[kind]
+    compute = flops_per_rank / peak if peak > 0 else float("nan")  # nan: the device's peak is unknown
+
+    tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
+    fsdp_ranks = dp_shard * cp
+    fsdp_link = link_gbps(device, tp, fsdp_ranks)
+    # Gathered once for forward and again for backward (kept gathered under pipeline parallel),
+    # every microbatch; gradients reduce-scattered once per microbatch.
+    gathers = (1 if schedule is not None else 2) * microbatches_per_rank
+    fsdp = ring_seconds(gathered_bytes, fsdp_ranks, fsdp_link) * gathers
+    fsdp += ring_seconds(grad_bytes, fsdp_ranks, fsdp_link) * accum
+    if dp_rep > 1:  # HSDP: the shards' gradients all-reduced across replicas
+        fsdp += 2 * ring_seconds(sharded_grad_bytes, dp_rep, link_gbps(device, tp * cp * dp_shard, dp_rep))
+
+    passes = microbatches_per_rank * layers_per_rank
+    # Sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, as many backward,
+    # and the forward's again when the block is recomputed.
+    tp_ops = (8 + (4 if recompute else 0)) * passes
+    tp_s = ring_seconds(act_stream_bytes, tp, link_gbps(device, 1, tp)) * tp_ops
+    # Ring attention: K/V go round once forward and with their gradients once backward.
+    cp_s = 3 * (cp - 1) * kv_bytes * passes / (link_gbps(device, tp, cp) * 1e9) / 2
+    ep = dims.ep
+    # Tokens to their experts and back, forward and backward.
+    ep_s = ring_seconds(expert_bytes, ep, link_gbps(device, tp, ep)) * 4 * passes if ep > 1 else 0.0
+    pp_s = 0.0
+    bubble = 0.0
+    if schedule is not None:
+        pp_link = link_gbps(device, tp * cp * dp_shard * dp_rep, dims.pp)
+        pp_s = 2 * act_stream_bytes * microbatches_per_rank * per_rank_stages / (pp_link * 1e9)
+        bubble = pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches)
+    exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s
+    return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, bubble, exposed / (1 - bubble))
+
+
+def pipeline_bubble(schedule: str, pp: int, per_rank: int, n_microbatches: int) -> float:
+    """Idle share of a pipeline step: (pp-1) stage-times of warm-up and drain against the
+    microbatches' work; interleaving divides it by the stages per rank, and the zero-bubble
+    schedules fill most of it with deferred weight gradients."""
+    idle = (pp - 1) / (n_microbatches * (1 if schedule in SINGLE_STAGE else per_rank))
+    if schedule in V_SHAPED or schedule == "interleaved_zb":
+        idle /= 3
+    return idle / (1 + idle)
