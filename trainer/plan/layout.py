@@ -63,9 +63,22 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
+_CACHE: dict[str, list[list[StageHoldings]]] = {}
+
+
 def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
     """For each pipeline rank, the stages it holds and their FSDP units (a fake world of the job's size)."""
-    t = job.training
+    # What a rank holds depends on the model and the layout, not on batch or microbatches.
+    key = repr((job.model, dataclasses.replace(job.parallel, pp_microbatches=None), dims.shape, dims.ep,
+                job.data.document_mask))
+    if key not in _CACHE:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        _CACHE[key] = _holdings(job, dims)
+    return _CACHE[key]
+
+
+def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
     dims = dataclasses.replace(dims)  # a mesh of its own, in the fake world
     with fake_world(dims.world_size):
         dims.build_mesh("cpu")
@@ -80,13 +93,17 @@ def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
             job.model.n_layers, n_stages, job.parallel.pp_embedding_cost, job.parallel.pp_output_cost)
         by_stage = {}
         for stage in range(n_stages):
-            model = build_model(job.model, device="meta")
+            layers = [name for name in modules[stage] if name.startswith("layers.")]
+            # Blocks are alike: a model of one block stands for each of the stage's.
+            model = build_model(dataclasses.replace(job.model, n_layers=1), device="meta")
             if job.data.document_mask:
                 attend_within_documents(model)
-            if dims.pp_enabled:
-                keep_modules(model, modules[stage])
+            keep_modules(model, ["layers.0", *(name for name in modules[stage] if name not in layers)])
             parallelize(model)
-            by_stage[stage] = StageHoldings(stage, modules[stage], _units(model, dims.ep_enabled))
+            units = _units(model, dims.ep_enabled)
+            units = [Unit(u.name.replace("layers.0", layer), u.sharded, u.gathered)
+                     for layer in layers for u in units if u.name != "root"] + [u for u in units if u.name == "root"]
+            by_stage[stage] = StageHoldings(stage, modules[stage], units)
     return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
             for r in range(dims.pp)]
 

@@ -15,6 +15,8 @@ from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
 from trainer.plan.layout import StageHoldings
 
 FP32 = 4
+# Schedules that split backward into input and (deferred) weight gradients.
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
 @dataclass
@@ -125,22 +127,24 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
     optimizer = 2 * sharded * FP32
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     if schedule is not None:
-        # Under pipeline parallel a stage keeps its parameters gathered from forward to backward,
-        # and its unsharded gradients accumulate over the microbatches until the step's last.
+        # Under pipeline parallel a stage keeps its parameters gathered from forward to backward.
         gathered = sum(u.gathered for u in units) * param_bytes
-        unsharded_grads = sum(u.gathered for u in units) * FP32
     else:
         # The root (embedding, norm, head) stays gathered; a block computes while the next is gathered.
         root = next((u.gathered for u in units if u.name == "root"), 0)
         blocks = [u.gathered for u in units if u.name != "root"]
         gathered = (root + sum(blocks[:2])) * param_bytes
-        unsharded_grads = 0
 
     layers = sum(stage.layers for stage in stages)
     per_layer = layer_activation_bytes(s)
     in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
     stage_layers = layers / len(stages)  # activations of one stage-microbatch
-    if activation_checkpoint == "full":
+    if activation_checkpoint == "full" and schedule in ZERO_BUBBLE:
+        # Measured (torch 2.13): a zero-bubble schedule's split backward recomputes a checkpointed
+        # stage for the input gradients and again for the deferred weight gradients, holding both:
+        # about twice the activations of the same schedule without checkpointing.
+        saved = 2 * in_flight * stage_layers * per_layer
+    elif activation_checkpoint == "full":
         saved = in_flight * stage_layers * checkpointed_layer_bytes(s) + per_layer  # one block recomputed
     else:
         saved = in_flight * stage_layers * per_layer
@@ -148,7 +152,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
 
     largest_unit = max((u.gathered for u in units), default=0)
     # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them.
-    buffers = 2 * largest_unit * FP32 + unsharded_grads
+    buffers = 2 * largest_unit * FP32
     if schedule is not None:
         buffers += 2 * in_flight * s.tokens * s.dim * s.act_bytes  # stage inputs and their gradients
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0

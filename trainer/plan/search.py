@@ -1,0 +1,124 @@
+"""The best layouts for a model on N devices: every combination the trainer accepts, planned,
+kept if it fits, ranked by predicted tokens/s.
+
+The model, sequence length and global batch stay the job's. Varied: tp (within a node), cp, pp
+with 1F1B or interleaved 1F1B, HSDP replicas, ep for a mixture of experts, activation
+checkpointing, gradient accumulation and pipeline microbatches. For each layout and checkpointing
+mode the fewest accumulation steps that fit are taken (more only re-gather parameters).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.plan import GIB, Plan, make_plan
+from trainer.plan.devices import Device
+from trainer.rules import check_job
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def candidates(job: JobConfig, gpus: int, device: Device):
+    """The overrides of every layout to try."""
+    m = job.model
+    for tp in _powers_of_two(min(device.per_node, gpus)):
+        for cp in _powers_of_two(min(8, gpus // tp)):
+            for pp in _powers_of_two(min(16, gpus // (tp * cp), m.n_layers)):
+                dp = gpus // (tp * cp * pp)
+                if dp * tp * cp * pp != gpus:
+                    continue
+                for dp_replicate in _powers_of_two(dp):
+                    schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+                    for schedule, per_rank in schedules:
+                        for ep in _powers_of_two(m.n_experts) if m.n_experts else [1]:
+                            for ac in ("none", "full"):
+                                overrides = {"parallel.tp": tp, "parallel.cp": cp, "parallel.pp": pp,
+                                             "parallel.dp_replicate": dp_replicate,
+                                             "parallel.dp_shard": dp // dp_replicate, "parallel.ep": ep,
+                                             "parallel.pp_schedule": schedule,
+                                             "parallel.pp_stages_per_rank": per_rank if pp > 1 else None,
+                                             "training.activation_checkpoint": ac}
+                                yield overrides
+
+
+def _apply(job: JobConfig, overrides: dict) -> JobConfig:
+    job = copy.deepcopy(job)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(job, section), name, value)
+    return job
+
+
+def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]:
+    """Plans that fit, best first, each with the overrides that give it."""
+    fitting: list[tuple[Plan, dict]] = []
+    rejected: Counter = Counter()
+    best_misfit: tuple[float, dict] | None = None
+    for layout in candidates(job, gpus, device):
+        for accum in _powers_of_two(job.training.global_batch_size):
+            found = False
+            for mb_factor in (1, 2, 4) if layout["parallel.pp"] > 1 else (None,):
+                overrides = {**layout, "training.grad_accum_steps": accum}
+                if mb_factor is not None:
+                    n_stages = layout["parallel.pp"] * layout["parallel.pp_stages_per_rank"]
+                    overrides["parallel.pp_microbatches"] = n_stages * mb_factor
+                candidate = _apply(job, overrides)
+                try:
+                    dims = check_job(candidate, gpus)
+                except ConfigError as e:
+                    rejected[_rule(str(e))] += 1
+                    continue
+                plan = make_plan(candidate, dims, device)
+                if plan.fits:
+                    fitting.append((plan, overrides))
+                    found = True
+                elif best_misfit is None or plan.peak < best_misfit[0]:
+                    best_misfit = (plan.peak, overrides)
+            if found:
+                break  # more accumulation would only re-gather the parameters more often
+    if not fitting:
+        reasons = ", ".join(f"{rule} ({n})" for rule, n in rejected.most_common(5))
+        closest = ""
+        if best_misfit is not None:
+            closest = (f"; the smallest peak is {best_misfit[0] / GIB:.1f} GiB of {device.memory_gib * 0.9:.1f} usable "
+                       f"({_describe(best_misfit[1])})")
+        raise ConfigError(f"--search: no layout of {job.model.name} on {gpus} x {device.name} fits{closest}; "
+                          f"rules that ruled out candidates: {reasons or 'none'}")
+    fitting.sort(key=lambda item: (-item[0].tokens_per_s, item[0].peak))
+    return fitting
+
+
+def _rule(message: str) -> str:
+    """The key a config error names, standing for its rule."""
+    return message.split("=")[0].split(":")[0]
+
+
+def _describe(overrides: dict) -> str:
+    short = {"parallel.dp_replicate": "rep", "parallel.dp_shard": "shard", "parallel.tp": "tp", "parallel.cp": "cp",
+             "parallel.pp": "pp", "parallel.ep": "ep", "training.activation_checkpoint": "ac",
+             "training.grad_accum_steps": "accum", "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched"}
+    parts = []
+    for key, value in overrides.items():
+        if key == "parallel.pp_stages_per_rank" or (key == "parallel.ep" and value == 1):
+            continue
+        if key == "parallel.pp_schedule" and overrides["parallel.pp"] == 1:
+            continue
+        parts.append(f"{short[key]}={value}")
+    return " ".join(parts)
+
+
+def format_search(results: list[tuple[Plan, dict]], job: JobConfig, gpus: int, device: Device) -> str:
+    t = job.training
+    lines = [f"{job.model.name} on {gpus} x {device.name}, batch {t.global_batch_size} x {t.seq_len}: "
+             f"{len(results)} best layouts that fit, by predicted tokens/s", ""]
+    for i, (plan, overrides) in enumerate(results, 1):
+        lines.append(f"{i:>2}. {plan.tokens_per_s:>12,.0f} tok/s  MFU {100 * plan.mfu:4.1f}%  "
+                     f"peak {plan.peak / GIB:5.1f} GiB  {_describe(overrides)}")
+    lines += ["", "overrides of the first: " + " ".join(f"{k}={v}" for k, v in results[0][1].items()
+                                                        if v is not None)]
+    return "\n".join(lines)
