@@ -6,7 +6,7 @@ import sys
 from helpers import ENV, REPO, read_metrics, torchrun
 from omegaconf import OmegaConf
 
-FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "param_mib", "elapsed_s"}
+FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib", "elapsed_s"}
 SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
 
 
@@ -17,7 +17,7 @@ def test_torchrun_writes_metrics_config_and_console_lines(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
         assert FIELDS <= record.keys()
-        assert record["tokens_per_s"] > 0 and record["mem_gib"] > 0 and 0 < record["mfu"] < 1
+        assert record["tokens_per_s"] > 0 and record["mem_gib"] > record["mem_tensor_gib"] > 0 and 0 < record["mfu"] < 1
     assert records[-1]["loss"] < records[0]["loss"]
     assert result.stdout.count(" tok/s | ") == 4  # one console line per step, rank 0 only
     saved = OmegaConf.load(tmp_path / "config.yaml")

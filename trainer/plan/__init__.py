@@ -20,7 +20,7 @@ from trainer.metrics import flops_per_token
 from trainer.parallel.dims import ParallelDims
 from trainer.plan.devices import Device
 from trainer.plan.layout import holdings
-from trainer.plan.memory import FP32, RankMemory, Shapes, rank_memory
+from trainer.plan.memory import FP32, ZERO_BUBBLE, RankMemory, Shapes, rank_memory
 from trainer.plan.time import StepTime, step_time
 from trainer.rules import DTYPES
 
@@ -129,8 +129,10 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
     flops = flops_per_token(m, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     recompute = t.activation_checkpoint == "full"
-    # Full checkpointing runs each block's forward twice: 4/3 of the blocks' work.
-    flops_per_rank = flops * tokens_per_step / dims.world_size * (4 / 3 if recompute else 1)
+    # Full checkpointing runs each block's forward again (4/3 of the work: forward 1, backward 2);
+    # a zero-bubble schedule's split backward runs it twice more (5/3, see memory.py).
+    extra = (2 if schedule in ZERO_BUBBLE else 1) if recompute else 0
+    flops_per_rank = flops * tokens_per_step / dims.world_size * (3 + extra) / 3
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
     units = [u for s in busiest for u in s.units]

@@ -58,19 +58,23 @@ def available_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30
 
 
-def measure_cpu(world: int, size: int = 512, seconds: float = 0.2) -> Device:
-    """This CPU as one device per rank: its cores shared by `world` ranks, its memory too."""
+def measure_cpu(world: int, size: int = 512, seconds: float = 0.1, repeats: int = 3) -> Device:
+    """This CPU as one device per rank, each rank running this process's thread count: a timed
+    matmul, shared when the ranks' threads outnumber the cores; the memory shared by the ranks."""
     threads = torch.get_num_threads()
-    ranks_per_core = max(1, world * int(os.environ.get("OMP_NUM_THREADS", threads)) // (os.cpu_count() or 1))
+    ranks_per_core = max(1.0, world * threads / len(os.sched_getaffinity(0)))
     tflops = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         a @ b
-        runs, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ b
-            runs += 1
-        tflops[dtype] = 2 * size**3 * runs / (time.perf_counter() - start) / 1e12 / ranks_per_core
+        best = 0.0
+        for _ in range(repeats):  # the best of a few bursts: a shared machine only ever slows one down
+            runs, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                a @ b
+                runs += 1
+            best = max(best, 2 * size**3 * runs / (time.perf_counter() - start) / 1e12)
+        tflops[dtype] = best / ranks_per_core
     # gloo between processes on one machine moves roughly a few GB/s through shared memory and TCP.
     return Device("cpu", available_memory_gib() / world, tflops[torch.bfloat16], tflops[torch.float32], 2.0, 2.0,
                   world)

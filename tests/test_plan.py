@@ -1,0 +1,138 @@
+"""The plan: every recipe at full size on its stated hardware, the layout search, bad input, the
+check before launch, and the predictions held against what training measures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import ENV, REPO, train_metrics
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer.config import CONFIG_DIR, RECIPE_DIR, register_configs
+from trainer.plan import GIB, make_plan
+from trainer.plan.devices import local_device
+from trainer.rules import check_job
+
+sys.path.insert(0, str(REPO / "scripts"))
+import plan as plan_script  # noqa: E402
+
+register_configs()
+RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def run_plan(capsys, *args: str) -> tuple[int, str, str]:
+    code = plan_script.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def job_of(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_fits_its_stated_hardware(recipe, capsys):
+    start = time.perf_counter()
+    code, out, _ = run_plan(capsys, f"+recipe={recipe}", "--json")
+    elapsed = time.perf_counter() - start
+    plan = json.loads(out)
+    job = job_of(f"+recipe={recipe}")
+    assert code == 0 and plan["fits"], f"{recipe} does not fit: {plan}"
+    assert (plan["world_size"], plan["device"]) == (job.plan.world_size, job.plan.device)
+    assert len(plan["ranks"]) == job.parallel.pp
+    for rank in plan["ranks"]:
+        terms = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
+        assert all(rank[f"{t}_gib"] >= 0 for t in terms) and rank["peak_gib"] <= 0.9 * plan["device_memory_gib"]
+    assert plan["step_time_s"] > 0 and plan["tokens_per_s"] > 0 and 0 < plan["mfu"] < 1
+    assert elapsed < 20, f"planning {recipe} took {elapsed:.1f}s"
+
+
+def test_plan_terms_follow_the_layout(capsys):
+    """Sharded terms divide by the ranks that shard them; checkpointing shrinks activations."""
+    params = 70.55e9  # Llama 3 70B
+    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json", "training.seq_len=8192",
+                         "training.global_batch_size=64")
+    fsdp = json.loads(out)["ranks"][0]
+    assert fsdp["params_gib"] == pytest.approx(params * 4 / 64 / GIB, rel=0.01)
+    assert fsdp["optimizer_gib"] == pytest.approx(2 * fsdp["params_gib"])
+    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json", "training.seq_len=8192",
+                         "training.global_batch_size=64", "training.activation_checkpoint=full")
+    assert json.loads(out)["ranks"][0]["activations_gib"] < fsdp["activations_gib"] / 4
+    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json", "training.seq_len=8192",
+                         "training.global_batch_size=64", "parallel.tp=8", "parallel.pp=4")
+    staged = json.loads(out)
+    assert len(staged["ranks"]) == 4 and staged["time"]["bubble"] > 0
+    # Tensor and pipeline parallel keep FSDP's share per rank: the 64 ranks still hold one copy.
+    assert sum(r["params_gib"] for r in staged["ranks"]) * 16 == pytest.approx(params * 4 / GIB, rel=0.02)
+
+
+def test_search_ranks_layouts_that_fit(capsys):
+    code, out, _ = run_plan(capsys, "--search", "--gpus", "8", "--device", "h100", "model=llama3_1b",
+                            "model.tie_embeddings=false", "training.seq_len=4096", "training.global_batch_size=32",
+                            "--json", "--top", "5")
+    plans = json.loads(out)
+    assert code == 0 and len(plans) == 5 and all(p["fits"] for p in plans)
+    speeds = [p["tokens_per_s"] for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    for p in plans:  # each answer is a command line that train.py accepts on 8 ranks
+        overrides = [f"{k}={'null' if v is None else v}" for k, v in p["overrides"].items()]
+        check_job(job_of("model=llama3_1b", "model.tie_embeddings=false", "training.seq_len=4096",
+                         "training.global_batch_size=32", *overrides), 8)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["+recipe=llama_fsdp", "--device", "tpu9"], "config error: device tpu9 is unknown"),
+    (["+recipe=llama_4d", "--world", "12"], "config error: parallel: pp*dp_replicate*dp_shard*cp*tp=16 must equal"),
+    (["--search", "--gpus", "2", "--device", "a100", "model=llama3_70b"], "config error: --search: no layout of"),
+])
+def test_bad_input_is_one_line(args, message, capsys):
+    code, out, err = run_plan(capsys, *args)
+    assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_train_refuses_a_job_that_will_not_fit():
+    """Llama 3 8B without the debug model on this machine: stopped before any allocation."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "train.py", "+recipe=llama_fsdp", "device=cpu"], cwd=REPO, env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and time.perf_counter() - start < 60
+    assert result.stderr.startswith("config error: plan: the job needs") and "plan.check=false" in result.stderr
+    assert "largest term: activations" in result.stderr
+
+
+# Layouts measured against the plan: debug models made wide enough that tensors dominate.
+LLAMA = ("model=llama_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_layers=4")
+MIXTRAL = ("model=mixtral_debug", "model.dim=512", "model.ffn_dim=1024")
+SIZE = ("+smoke=cpu", "training.steps=2", "training.seq_len=512", "training.global_batch_size=4")
+MEASURED = {
+    "fsdp2": (2, ("+recipe=llama_fsdp", *LLAMA)),
+    "hsdp2x2": (4, ("+recipe=llama_hsdp", *LLAMA)),
+    "tp2": (2, ("+recipe=llama_tp2", *LLAMA)),
+    "pp2_1f1b": (2, ("+recipe=llama_fsdp", "parallel.pp=2", *LLAMA)),
+    "pp2_zbv": (2, ("+recipe=llama_fsdp", "parallel.pp=2", "parallel.pp_schedule=zbv", *LLAMA)),
+    "cp2": (2, ("+recipe=llama_cp2", *LLAMA)),
+    "ep2": (2, ("+recipe=mixtral_ep", *MIXTRAL)),
+    "tp2_pp4": (8, ("+recipe=llama_tp2_pp4", *LLAMA)),
+}
+MEMORY_RTOL = 0.15
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("layout", MEASURED)
+def test_prediction_matches_measurement(layout, ac, tmp_path):
+    """Rank 0's peak of live tensors (mem_tensor_gib) within 15% of the plan's. (Speed is not held
+    here: on this shared 2-core machine a timed matmul is too noisy to predict a step within 30%.)"""
+    ranks, overrides = MEASURED[layout]
+    overrides = (*overrides, *SIZE, f"training.activation_checkpoint={ac}")
+    records = train_metrics(ranks, *overrides, output_dir=tmp_path, timeout=300)
+    job = job_of(*overrides)
+    plan = make_plan(job, check_job(job, ranks), local_device(torch.device("cpu"), ranks))
+    measured, predicted = records[-1]["mem_tensor_gib"], plan.ranks[0].peak / GIB
+    assert abs(predicted / measured - 1) <= MEMORY_RTOL, f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f}"
