@@ -8,7 +8,6 @@ optimizer step (every gradient, plus the temporaries of the fused AdamW update).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
@@ -162,7 +161,3 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
     optimizer_step = params + optimizer + grads + params
     return RankMemory(pp_rank, params, grads, optimizer, gathered, activations, buffers,
                       max(start_of_backward, optimizer_step))
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)
