@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import time
 from functools import partial
@@ -73,11 +74,25 @@ def run(cfg: DictConfig) -> None:
 
 def check_memory(job: JobConfig, dims: ParallelDims, device: torch.device) -> float:
     """The plan's peak bytes on this rank's pipeline position; a `config error:` if it will not fit."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    plan = make_plan(job, dims, local_device(device, local_ranks))
-    plan.check_fits()
+    target = local_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     pp_rank = int(os.environ.get("RANK", "0")) // (dims.world_size // dims.pp)
-    return plan.ranks[pp_rank].peak
+    # The plan builds a fake world of the job's size: in a process of its own, so that nothing torch
+    # keeps about that world (a mesh's coordinates, measured: checkpoints then saved every rank's
+    # shards as rank 0's) reaches the real one.
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        peak, error = pool.apply(_planned_peak, (job, dims, target, pp_rank))
+    if error is not None:
+        raise ConfigError(error)
+    return peak
+
+
+def _planned_peak(job: JobConfig, dims: ParallelDims, device, pp_rank: int) -> tuple[float | None, str | None]:
+    try:
+        plan = make_plan(job, dims, device)
+        plan.check_fits()
+    except ConfigError as e:
+        return None, str(e)
+    return plan.ranks[pp_rank].peak, None
 
 
 def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: CheckpointConfig, device: torch.device,
