@@ -5,7 +5,8 @@ On CUDA the caching allocator counts tensor bytes itself. On the CPU nothing doe
 counts each new storage's bytes until the storage is freed: what the plan's prediction is held
 against. Storages are counted once however many views share them; a DTensor counts its local shard.
 FSDP frees and re-allocates its gathered parameters by resizing their storages in place, which no
-operator shows, so while a tracker is active storage resizes are counted too.
+operator shows, so while a tracker is active storage resizes are counted too. The count costs
+Python work per operator, so training runs it for its first `COUNTED_STEPS` steps only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 GIB = 2**30
+# Steps the CPU's count runs for: the second holds all a step ever holds (the optimizer's state
+# exists from the first update on), and the steps after it run at full speed, uncounted.
+COUNTED_STEPS = 2
 _storage_resize = torch.UntypedStorage.resize_
 
 
@@ -31,6 +35,7 @@ class TensorMemory(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}  # id of a live storage -> its bytes
         self._refs: dict[int, weakref.ref] = {}
+        self._active = False
 
     def add(self, tensors) -> None:
         """Counts tensors made before tracking began (the model's parameters)."""
@@ -77,6 +82,17 @@ class TensorMemory(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = _storage_resize
         return super().__exit__(*exc)
+
+    def start(self) -> None:
+        """Counts from now on, on this thread, until `stop`."""
+        self.__enter__()
+        self._active = True
+
+    def stop(self) -> None:
+        """Stops counting (once; later calls do nothing). The peak so far is kept."""
+        if self._active:
+            self._active = False
+            self.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

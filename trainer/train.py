@@ -21,7 +21,7 @@ from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, Prefetcher, build_dataset, document_positions
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError
-from trainer.memory import TensorMemory, peak_memory_gib, peak_tensor_gib
+from trainer.memory import COUNTED_STEPS, TensorMemory, peak_memory_gib, peak_tensor_gib
 from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_tflops
 from trainer.models import build_model, init_weights, materialize
 from trainer.models.llama import attend_within_documents
@@ -148,11 +148,12 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     flops = flops_per_token(job.model, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device) if job.model.n_experts else None
-    # On the CPU, live tensors are counted from here on: the model's, then everything the steps make.
+    # On the CPU, live tensors are counted through the first steps: the model's, then all the steps make.
     tensor_memory = TensorMemory() if device.type == "cpu" else None
     if tensor_memory is not None:
         tensor_memory.add(model.parameters())
-        tensor_memory.__enter__()
+        tensor_memory.start()
+    counted_until = start_step + COUNTED_STEPS
     start = last_time = time.perf_counter()
     last_step = start_step
     for step in range(start_step + 1, t.steps + 1):
@@ -164,6 +165,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if step == counted_until and tensor_memory is not None:
+            tensor_memory.stop()
 
         validate = job.validation.every > 0 and step % job.validation.every == 0
         if step % job.metrics.log_every == 0 or step == t.steps or validate:
@@ -197,7 +200,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
                                                                 lambda: state.for_save(step, loader.position(step))):
             break
     if tensor_memory is not None:
-        tensor_memory.__exit__(None, None, None)
+        tensor_memory.stop()
     train_batches.close()
     if checkpointer is not None:
         checkpointer.close()
