@@ -21,7 +21,7 @@ def build_optimizer(model: nn.Module, optim, lr: float, weight_decay: float) -> 
         for decayed in (True, False)
         for params in by_mesh([p for p in model.parameters() if (p.ndim >= 2) == decayed])
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
