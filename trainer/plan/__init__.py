@@ -110,7 +110,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
     act_bytes = torch.finfo(dtype).bits // 8
     per_microbatch = t.global_batch_size // (dims.dp * t.grad_accum_steps * dims.pp_microbatches)
     shapes = Shapes(
-        tokens=per_microbatch * t.seq_len // dims.cp, seq=t.seq_len, dim=m.dim, ffn_dim=m.ffn_dim,
+        tokens=per_microbatch * t.seq_len // dims.cp, dim=m.dim, ffn_dim=m.ffn_dim,
         n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
         sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
         act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k,
@@ -149,6 +149,6 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
         microbatches_per_rank=t.grad_accum_steps * dims.pp_microbatches * len(busiest), accum=t.grad_accum_steps,
         recompute=recompute, schedule=schedule, per_rank_stages=dims.pp_stages_per_rank,
-        n_microbatches=dims.pp_microbatches,
+        n_microbatches=dims.pp_microbatches, moe=m.n_experts > 0,
     )
     return Plan(dims.world_size, device, dims, ranks, timing, tokens_per_step, flops, peak_tflops)

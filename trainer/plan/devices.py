@@ -6,13 +6,17 @@ applies its own efficiency factors to them. `cpu` is measured on this machine wh
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import tempfile
 import time
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from trainer.errors import ConfigError
+from trainer.metrics import measure_cpu_tflops
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class Device:
     intra_gbps: float  # GB/s one way per device within a node (NVLink)
     inter_gbps: float  # GB/s one way per device across nodes (InfiniBand / RoCE)
     per_node: int  # devices per node
+    link_efficiency: float = 0.7  # share of the nominal link rates a ring collective sustains
 
     def peak_tflops(self, dtype: torch.dtype) -> float:
         return self.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_tflops
@@ -58,26 +63,59 @@ def available_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30
 
 
-def measure_cpu(world: int, size: int = 512, seconds: float = 0.1, repeats: int = 3) -> Device:
-    """This CPU as one device per rank, each rank running this process's thread count: a timed
-    matmul, shared when the ranks' threads outnumber the cores; the memory shared by the ranks."""
-    threads = torch.get_num_threads()
+def measure_cpu(world: int, threads: int | None = None, size: int = 512, seconds: float = 0.1,
+                repeats: int = 3) -> Device:
+    """This CPU as one device per rank, each rank running `threads` threads (default: this process's
+    count): a timed matmul, shared when the ranks' threads outnumber the cores; a timed gloo
+    all-reduce between `world` processes; the memory shared by the ranks."""
+    own_threads = torch.get_num_threads()
+    threads = threads or own_threads
     ranks_per_core = max(1.0, world * threads / len(os.sched_getaffinity(0)))
-    tflops = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b
-        best = 0.0
-        for _ in range(repeats):  # the best of a few bursts: a shared machine only ever slows one down
-            runs, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                a @ b
-                runs += 1
-            best = max(best, 2 * size**3 * runs / (time.perf_counter() - start) / 1e12)
-        tflops[dtype] = best / ranks_per_core
-    # gloo between processes on one machine moves roughly a few GB/s through shared memory and TCP.
-    return Device("cpu", available_memory_gib() / world, tflops[torch.bfloat16], tflops[torch.float32], 2.0, 2.0,
-                  world)
+    torch.set_num_threads(threads)
+    try:
+        bf16, fp32 = (measure_cpu_tflops(dtype, size, seconds, repeats) / ranks_per_core
+                      for dtype in (torch.bfloat16, torch.float32))
+    finally:
+        torch.set_num_threads(own_threads)
+    gbps = measure_gloo_gbps(world) if world > 1 else 0.0
+    # The timed rate is what a ring sustains already: no further efficiency applies to it.
+    return Device("cpu", available_memory_gib() / world, bf16, fp32, gbps, gbps, world, link_efficiency=1.0)
+
+
+GLOO_TIMED_BYTES = 8 * 2**20  # about one block's activations in the models that run on a CPU
+
+
+def measure_gloo_gbps(world: int, nbytes: int = GLOO_TIMED_BYTES, repeats: int = 3) -> float:
+    """GB/s one rank's share of a gloo ring all-reduce moves between `world` processes on this
+    machine (each sends 2 (world-1)/world of the buffer): the best of a few timed all-reduces."""
+    context = multiprocessing.get_context("fork")  # no re-import of torch: the timing takes about a second
+    with tempfile.TemporaryDirectory() as tmp:
+        seconds = context.Queue()
+        ranks = [context.Process(target=_time_all_reduce, args=(rank, world, f"{tmp}/store", nbytes, repeats, seconds))
+                 for rank in range(world)]
+        for process in ranks:
+            process.start()
+        best = seconds.get(timeout=120)
+        for process in ranks:
+            process.join(timeout=60)
+    return 2 * (world - 1) / world * nbytes / best / 1e9
+
+
+def _time_all_reduce(rank: int, world: int, store_path: str, nbytes: int, repeats: int, out) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    group = dist.ProcessGroupGloo(store, rank, world)  # its own group: the caller may have a default one
+    buffer = torch.ones(nbytes // 4)
+    group.allreduce(buffer).wait()
+    best = float("inf")
+    for _ in range(repeats):
+        group.barrier().wait()
+        start = time.perf_counter()
+        group.allreduce(buffer).wait()
+        best = min(best, time.perf_counter() - start)
+    if rank == 0:
+        out.put(best)
+    group.barrier().wait()
 
 
 def local_device(device: torch.device, local_ranks: int) -> Device:

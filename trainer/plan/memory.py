@@ -23,7 +23,6 @@ class Shapes:
     """What one rank's layers see in one microbatch."""
 
     tokens: int  # tokens of the microbatch on this rank (batch x seq / cp)
-    seq: int  # the whole sequence length
     dim: int
     ffn_dim: int
     n_heads: int

@@ -9,12 +9,15 @@ from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
 from trainer.plan.devices import Device
 
 # Share of the peak that a transformer's matmuls sustain. GPUs: large bf16 GEMMs with attention
-# and element-wise work around them. The CPU's peak is a measured matmul; measured on 2 cores
-# (llama_debug widened to dim 512, seq 512): one rank sustains 0.85 of it, ranks sharing the
-# machine 0.55 (gloo's threads and the other ranks take cores and memory bandwidth).
-COMPUTE_EFFICIENCY = {"gpu": 0.55, "cpu": 0.85, "cpu_shared": 0.55}
-# Share of the link's nominal bandwidth a ring collective sustains.
-LINK_EFFICIENCY = 0.7
+# and element-wise work around them. The CPU's peak is a matmul timed on one thread per rank;
+# measured on 2 cores (llama_debug widened to dim 512, seq 512, steps after the counted ones): ranks
+# that only compute (one rank, or pipeline stages handing on activations) sustain 0.70 of it; ranks
+# whose steps run collectives (FSDP, TP, CP, EP: gloo's threads on the same cores, DTensor's
+# dispatch) 0.55.
+COMPUTE_EFFICIENCY = {"gpu": 0.55, "cpu": 0.70, "cpu_collectives": 0.55}
+# Mixture-of-experts blocks also sort, gather and scatter their tokens, work the FLOPs leave out:
+# measured on CPU (ep2 as above) 0.8 of a dense model's rate.
+MOE_EFFICIENCY = 0.8
 
 
 @dataclass
@@ -35,7 +38,7 @@ def spans_nodes(inner: int, size: int, per_node: int) -> bool:
 
 
 def link_gbps(device: Device, inner: int, size: int) -> float:
-    return (device.inter_gbps if spans_nodes(inner, size, device.per_node) else device.intra_gbps) * LINK_EFFICIENCY
+    return (device.inter_gbps if spans_nodes(inner, size, device.per_node) else device.intra_gbps) * device.link_efficiency
 
 
 def ring_seconds(nbytes: float, ranks: int, gbps: float) -> float:
@@ -46,10 +49,11 @@ def ring_seconds(nbytes: float, ranks: int, gbps: float) -> float:
 def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims, gathered_bytes: float,
               grad_bytes: float, sharded_grad_bytes: float, act_stream_bytes: float, kv_bytes: float,
               expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int, accum: int,
-              recompute: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int) -> StepTime:
+              recompute: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
+              moe: bool = False) -> StepTime:
     """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py)."""
-    kind = "gpu" if device.name != "cpu" else "cpu" if dims.world_size == 1 else "cpu_shared"
-    peak = dtype_peak_tflops * 1e12 * COMPUTE_EFFICIENCY[kind]
+    kind = "gpu" if device.name != "cpu" else "cpu" if dims.world_size == dims.pp else "cpu_collectives"
+    peak = dtype_peak_tflops * 1e12 * COMPUTE_EFFICIENCY[kind] * (MOE_EFFICIENCY if moe else 1.0)
     compute = flops_per_rank / peak if peak > 0 else float("nan")  # nan: the device's peak is unknown
 
     tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
@@ -69,7 +73,7 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     tp_ops = (8 + (4 if recompute else 0)) * passes
     tp_s = ring_seconds(act_stream_bytes, tp, link_gbps(device, 1, tp)) * tp_ops
     # Ring attention: K/V go round once forward and with their gradients once backward.
-    cp_s = 3 * (cp - 1) * kv_bytes * passes / (link_gbps(device, tp, cp) * 1e9) / 2
+    cp_s = 3 * (cp - 1) * kv_bytes * passes / (link_gbps(device, tp, cp) * 1e9) / 2 if cp > 1 else 0.0
     ep = dims.ep
     # Tokens to their experts and back, forward and backward.
     ep_s = ring_seconds(expert_bytes, ep, link_gbps(device, tp, ep)) * 4 * passes if ep > 1 else 0.0
