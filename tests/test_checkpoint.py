@@ -72,25 +72,28 @@ def test_resume_repeats_the_uninterrupted_run(mode, reference, tmp_path):
     assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(resumed, records[5:])) <= EXACT
 
 
-# name -> (ranks, overrides) saving, then (ranks, overrides) resuming
+# name -> the layouts a checkpoint passes through: the first run saves at step 5, the next resumes
+# from it and saves at step 7, the one after resumes from that; each is held against the first run.
 RESHARDING = {
-    "llama_tp2_pp4_to_fsdp4": ((8, ("+recipe=llama_tp2_pp4", *LLAMA)), (4, ("+recipe=llama_fsdp", *LLAMA))),
-    "llama_fsdp4_to_tp2_pp4": ((4, ("+recipe=llama_fsdp", *LLAMA)), (8, ("+recipe=llama_tp2_pp4", *LLAMA))),
-    "mixtral_ep4_to_fsdp2": ((4, ("+recipe=mixtral_ep", *MIXTRAL)), (2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL))),
-    "mixtral_fsdp2_to_ep2_tp2": ((2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL)),
-                                 (4, ("+recipe=mixtral_ep2_tp2", *MIXTRAL))),
+    "llama_fsdp4_to_tp2_pp4_to_fsdp4": [(4, ("+recipe=llama_fsdp", *LLAMA)), (8, ("+recipe=llama_tp2_pp4", *LLAMA)),
+                                        (4, ("+recipe=llama_fsdp", *LLAMA))],
+    "mixtral_ep4_to_fsdp2": [(4, ("+recipe=mixtral_ep", *MIXTRAL)), (2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL))],
+    "mixtral_fsdp2_to_ep2_tp2": [(2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL)),
+                                 (4, ("+recipe=mixtral_ep2_tp2", *MIXTRAL))],
 }
+SAVED_AT = (5, 7)
 
 
 @pytest.mark.parametrize("case", RESHARDING)
 def test_resume_under_another_layout(case, tmp_path):
-    (save_ranks, save_overrides), (resume_ranks, resume_overrides) = RESHARDING[case]
-    records = run(save_ranks, *save_overrides, "checkpoint.interval=5", output_dir=tmp_path / "saved")
-    resumed = run(resume_ranks, *resume_overrides, f"checkpoint.resume={tmp_path}/saved/checkpoints/step_5",
-                  output_dir=tmp_path / "resumed")
-    difference = largest_difference(resumed, records, 6)
-    print(f"{case}: largest relative loss difference {difference:.1e}")
-    assert difference <= RESHARDED
+    (ranks, overrides), *resuming = RESHARDING[case]
+    records = run(ranks, *overrides, f"checkpoint.interval={SAVED_AT[0]}", output_dir=tmp_path / "0")
+    for i, ((ranks, overrides), step) in enumerate(zip(resuming, SAVED_AT), start=1):
+        resumed = run(ranks, *overrides, f"checkpoint.resume={tmp_path}/{i - 1}/checkpoints/step_{step}",
+                      f"checkpoint.interval={SAVED_AT[i] if i < len(SAVED_AT) else STEPS}", output_dir=tmp_path / str(i))
+        difference = largest_difference(resumed, records, step + 1)
+        print(f"{case}, run {i} from step {step}: largest relative loss difference {difference:.1e}")
+        assert difference <= RESHARDED
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
