@@ -156,7 +156,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
 
     start_of_backward = params + optimizer + gathered + activations + buffers + held_grads
-    # AdamW (foreach) makes one temporary as large as the parameters for the update.
-    optimizer_step = params + optimizer + grads + params
+    # The fused AdamW update works in place, tensor by tensor: no temporary worth counting.
+    optimizer_step = params + optimizer + grads
     return RankMemory(pp_rank, params, grads, optimizer, gathered, activations, buffers,
                       max(start_of_backward, optimizer_step))
