@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, torchrun, train_metrics
+from helpers import REPO, launch, train_metrics
 
 from trainer import build_model
 from trainer.config import DataConfig
@@ -325,5 +325,5 @@ def test_real_text_validation_loss_falls_well_below_the_unigram_entropy(tmp_path
      "config error: model.vocab_size=200 must be >= the tokenizer's 256 (data.tokenizer=bytes)"),
 ])
 def test_data_config_errors(ranks, overrides, message, tmp_path):
-    result = torchrun(ranks, "model=llama_debug", "+smoke=cpu", *overrides, output_dir=tmp_path)
+    result = launch(ranks, "model=llama_debug", "+smoke=cpu", *overrides, output_dir=tmp_path)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, torchrun
+from helpers import REPO, launch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from trainer import build_model, load_weights
@@ -82,9 +82,9 @@ def test_initial_weights_from_a_hugging_face_directory(tmp_path):
     hf = hf_model("llama", tmp_path / "hf")
     model = [f"model.{k}={v}" for k, v in dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
                                                    ffn_dim=96, rope_theta=5000.0).items()]
-    result = torchrun(2, "+recipe=llama_tp2", "+smoke=cpu", *model, "training.steps=1", "training.lr=0",
-                      "training.seq_len=32", f"checkpoint.initial={tmp_path / 'hf'}", "checkpoint.enabled=true",
-                      output_dir=tmp_path / "run")
+    result = launch(2, "+recipe=llama_tp2", "+smoke=cpu", *model, "training.steps=1", "training.lr=0",
+                    "training.seq_len=32", f"checkpoint.initial={tmp_path / 'hf'}", "checkpoint.enabled=true",
+                    output_dir=tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"initial weights from {tmp_path / 'hf'}" in result.stdout
     ours = build_model(config_from_hf(tmp_path / "hf"))

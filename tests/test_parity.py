@@ -48,7 +48,6 @@ LAYOUTS = {
     "pp2_hsdp2x1": (4, ["+recipe=llama_hsdp", "parallel.pp=2"]),
     "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
     "pp2_accum2": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2"]),
-    "pp2_interleaved_recipe": (2, ["+recipe=llama_pp_interleaved"]),
     "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
     **{f"cp2_{m}": (2, ["+recipe=llama_cp2", f"parallel.cp_method={m}"]) for m in CP_METHODS},
     **{f"cp2_fsdp2_{m}": (4, ["+recipe=llama_cp2", f"parallel.cp_method={m}"]) for m in CP_METHODS},

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from helpers import ENV, REPO, read_metrics, torchrun
+from helpers import ENV, REPO, launch, read_metrics, torchrun
 from omegaconf import OmegaConf
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib", "elapsed_s"}
@@ -48,9 +48,9 @@ def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
 
 
 def test_compiled_blocks_train_and_agree_with_eager_before_any_update(tmp_path):
-    eager = torchrun(1, "+recipe=llama_fsdp", *SHORT, output_dir=tmp_path / "eager", timeout=240)
-    compiled = torchrun(1, "+recipe=llama_fsdp", *SHORT, "training.compile=true", output_dir=tmp_path / "compiled",
-                        timeout=400)
+    eager = launch(1, "+recipe=llama_fsdp", *SHORT, output_dir=tmp_path / "eager", timeout=240)
+    compiled = launch(1, "+recipe=llama_fsdp", *SHORT, "training.compile=true", output_dir=tmp_path / "compiled",
+                      timeout=400)
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
     eager_losses = [r["loss"] for r in read_metrics(tmp_path / "eager")]
     compiled_losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
