@@ -6,15 +6,21 @@ from helpers import spawn
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.parallel.dims import ParallelDims
-from trainer.rules import resolve_layout
+from trainer.rules import check_job, resolve_layout
 
 
-def dims_for(world: int, **parallel) -> ParallelDims:
+def job_for(**settings) -> JobConfig:
+    """The default job with `settings`: parallel keys by name, others as section__key."""
     job = JobConfig()
     job.training.seq_len, job.training.global_batch_size = 128, 8
-    for key, value in parallel.items():
+    for key, value in settings.items():
         section, name = key.split("__") if "__" in key else ("parallel", key)
         setattr(getattr(job, section), name, value)
+    return job
+
+
+def dims_for(world: int, **settings) -> ParallelDims:
+    job = job_for(**settings)
     return resolve_layout(job.parallel, job.model, job.training, world)
 
 
@@ -86,6 +92,18 @@ def test_dp_shard_takes_the_rest():
 def test_rule_gives_a_config_error(world, settings, message):
     with pytest.raises(ConfigError, match=message):
         dims_for(world, **settings)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"training__activation_checkpoint": "some"},
+     r"training.activation_checkpoint=some must be one of \['none', 'full', 'selective'\]"),
+    ({"training__activation_checkpoint_every": 0}, r"training.activation_checkpoint_every=0 must be >= 1"),
+    ({"pp": 2, "pp_schedule": "zbv", "training__activation_checkpoint": "selective"},
+     r"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule=zbv"),
+])
+def test_checkpointing_rule_gives_a_config_error(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        check_job(job_for(**settings), 2)
 
 
 def _check_meshes(rank, world_size):

@@ -129,18 +129,37 @@ SPEED_RTOL = 0.30
 COUNTED, TIMED = 2, 3
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-@pytest.mark.parametrize("layout", MEASURED)
+# Selective checkpointing measured where it differs in what it keeps: plain, tensor parallel (the
+# reduce-scattered outputs), pipeline, ring attention, experts checkpointed on their own.
+SELECTIVE = ("single", "fsdp2", "tp2", "pp2_1f1b", "cp2", "ep2")
+CASES = [(layout, ac) for layout in MEASURED for ac in ("none", "full")]
+CASES += [(layout, "selective") for layout in SELECTIVE]
+_measured: dict[tuple[str, str], float] = {}
+
+
+def case(layout: str, ac: str) -> tuple[int, bool, tuple[str, ...]]:
+    """Ranks, whether the run is timed, and the overrides of one measured case."""
+    ranks, overrides = MEASURED[layout]
+    timed = ranks <= 2 and ac == "none"
+    steps = COUNTED + (TIMED if timed else 0)
+    return ranks, timed, (*overrides, *SIZE, f"training.steps={steps}", f"training.activation_checkpoint={ac}")
+
+
+def train_case(layout: str, ac: str, tmp_path) -> list[dict]:
+    ranks, _, overrides = case(layout, ac)
+    records = train_metrics(ranks, *overrides, output_dir=tmp_path / ac, timeout=300)
+    _measured[layout, ac] = records[-1]["mem_tensor_gib"]
+    return records
+
+
+@pytest.mark.parametrize("layout, ac", CASES)
 def test_prediction_matches_measurement(layout, ac, tmp_path):
     """Rank 0's peak of live tensors (mem_tensor_gib) within 15% of the plan's; on 1 and 2 ranks
     without checkpointing, tokens/s of the steps after the counted ones within 30% of the plan's
     for this CPU (its matmul rate and gloo bandwidth timed before and after the run)."""
-    ranks, overrides = MEASURED[layout]
-    timed = ranks <= 2 and ac == "none"
-    steps = COUNTED + (TIMED if timed else 0)
-    overrides = (*overrides, *SIZE, f"training.steps={steps}", f"training.activation_checkpoint={ac}")
+    ranks, timed, overrides = case(layout, ac)
     before = measure_cpu(ranks, threads=1) if timed else None
-    records = train_metrics(ranks, *overrides, output_dir=tmp_path, timeout=300)
+    records = train_case(layout, ac, tmp_path)
     job = job_of(*overrides)
     if timed:  # the faster of two timings: a neighbour's burst on this shared machine only ever slows one
         device = max(before, measure_cpu(ranks, threads=1), key=lambda d: d.fp32_tflops)
@@ -156,3 +175,11 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
             speed = max(speed, statistics.median(r["tokens_per_s"] for r in rerun[COUNTED:]))
         assert abs(plan.tokens_per_s / speed - 1) <= SPEED_RTOL, \
             f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f}"
+
+
+@pytest.mark.parametrize("layout", SELECTIVE)
+def test_selective_checkpointing_keeps_less_than_none_and_more_than_full(layout, tmp_path):
+    """Measured by the runs above (a case runs here only if it has not run yet)."""
+    none, selective, full = (_measured.get((layout, ac)) or train_case(layout, ac, tmp_path)[-1]["mem_tensor_gib"]
+                             for ac in ("none", "selective", "full"))
+    assert none > selective > full, f"{layout}: none {none:.3f} GiB, selective {selective:.3f}, full {full:.3f}"

@@ -88,7 +88,9 @@ class TrainingConfig:
     seed: int = 0
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     compile: bool = False
+    # none | full | selective; under full, every Nth block is checkpointed (1: every block).
     activation_checkpoint: str = "none"
+    activation_checkpoint_every: int = 1
 
 
 @dataclass

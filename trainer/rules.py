@@ -15,13 +15,13 @@ import torch
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.errors import ConfigError
 from trainer.models import MODEL_CLASSES
+from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, min_microbatches, stages_per_rank
+from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE, min_microbatches, stages_per_rank
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AC_MODES = ("none", "full")
 
 
 def check_job(job: JobConfig, world: int) -> ParallelDims:
@@ -32,6 +32,12 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true: "
                           f"each tp rank routes its own slice of the sequence")
     check_training(job.training, dims)
+    schedule = job.parallel.pp_schedule
+    if job.training.activation_checkpoint == "selective" and dims.pp_enabled and schedule in ZERO_BUBBLE:
+        # torch (2.13) frees what selective checkpointing saved at a block's first backward; these
+        # schedules run it twice (input gradients, then the deferred weight gradients).
+        raise ConfigError(f"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule="
+                          f"{schedule}: its split backward recomputes each block twice; use full or none")
     if job.metrics.log_every < 1:
         raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
     peak = job.metrics.peak_tflops
@@ -67,7 +73,9 @@ def check_training(t, dims: ParallelDims) -> None:
         raise ConfigError(f"training.compile=true cannot be combined with parallel.tp={dims.tp} yet: compiled "
                           f"blocks drop the embedding's gradient under tensor parallel; use training.compile=false")
     if t.activation_checkpoint not in AC_MODES:
-        raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be none or full in this version")
+        raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be one of {list(AC_MODES)}")
+    if t.activation_checkpoint_every < 1:
+        raise ConfigError(f"training.activation_checkpoint_every={t.activation_checkpoint_every} must be >= 1")
     for key in ("param_dtype", "reduce_dtype"):
         value = getattr(t.mixed_precision, key)
         if value not in DTYPES and not (key == "param_dtype" and value == "auto"):

@@ -214,6 +214,7 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
     parallelize = partial(
         PARALLELIZE[job.model.family], dims=dims, param_dtype=param_dtype(t.mixed_precision, device),
         reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
+        activation_checkpoint_every=t.activation_checkpoint_every,
         compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
         cp_method=job.parallel.cp_method,
     )

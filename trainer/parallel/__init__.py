@@ -17,15 +17,15 @@ from trainer.parallel.tensor_parallel import apply_tp
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                       activation_checkpoint: str, compile: bool, sequence_parallel: bool, loss_parallel: bool,
-                      cp_method: str) -> None:
+                      cp_method: str, activation_checkpoint_every: int = 1) -> None:
     blocks = list(model.layers.values())
     if dims.tp_enabled:
         apply_tp(model, dims.view("tp"), sequence_parallel, loss_parallel)
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), cp_method)
     parallelize_moe(model, dims)
-    if activation_checkpoint == "full":
-        apply_activation_checkpoint(blocks)
+    apply_activation_checkpoint(model.layers, activation_checkpoint, activation_checkpoint_every,
+                                experts_sharded=dims.ep_enabled)
     if compile:
         for block in blocks:
             block.compile()

@@ -1,16 +1,69 @@
-"""Activation checkpointing: a block's activations are recomputed in backward instead of kept."""
+"""Activation checkpointing: what a block keeps for backward and what it recomputes.
+
+- `full`: the block keeps only its input and runs its whole forward again in backward; with
+  `every=N`, only every Nth block (the first, the N+1th, ...) is checkpointed, the others keep all.
+- `selective`: every block keeps the outputs of its matmuls, its attention and its reduce-scatters
+  (the expensive work, and collectives not worth repeating) and recomputes the cheap element-wise
+  ops (norms, rotary embedding, SiLU, products) in backward.
+"""
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+_aten = torch.ops.aten
+SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten._grouped_mm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
 
 
-def apply_activation_checkpoint(blocks: list[nn.Module]) -> None:
+def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpoint(layers: nn.ModuleDict, mode: str, every: int = 1,
+                                experts_sharded: bool = False) -> None:
+    """Checkpoints the blocks of `layers` (named by their index in the whole model, so a pipeline
+    stage checkpoints the same blocks as one rank holding them all).
+
+    `experts_sharded`: each block's experts are an FSDP unit of their own (expert parallel). Their
+    hooks gather and free parameters inside the block, a different number of times in the recompute
+    than in forward, which torch's (2.13) selective checkpointing takes for a replay mismatch; so
+    under `selective` the attention and the experts are checkpointed each on its own, the unit's
+    hooks outside, and the norms and the router keep what they save.
+    """
+    if mode == "none":
+        return
+    options = {}
+    if mode == "selective":
+        options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_expensive)
+    for name, block in layers.items():
+        if mode == "full" and int(name) % every:
+            continue
+        regions = [block.attention, block.feed_forward.experts] if mode == "selective" and experts_sharded else [block]
+        for module in regions:
+            _checkpoint_forward(module, options)
+
+
+def _checkpoint_forward(module: nn.Module, options: dict) -> None:
     # Wrapping the bound forward (rather than the module) keeps every parameter name unchanged,
-    # so initialisation and checkpoints see the same names with and without it.
-    for block in blocks:
-        forward = block.forward
-        block.forward = lambda *args, _forward=forward, **kwargs: checkpoint(
-            _forward, *args, use_reentrant=False, **kwargs
-        )
+    # so initialisation and checkpoints see the same names with and without it; and a module's
+    # own hooks (FSDP's) run outside the checkpointed region.
+    forward = module.forward
+    module.forward = lambda *args, _forward=forward, **kwargs: checkpoint(
+        _forward, *args, use_reentrant=False, **options, **kwargs
+    )

@@ -140,8 +140,9 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, causal = _block_rows_cols(rank, source, q.shape[2])
             mask = _block_mask(starts, rank, source, cp, q.shape[2], rows, cols)
             block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask)
+            # Copies: merged into in place, while selective checkpointing may keep the kernel's outputs.
             if out is None:
-                out, lse = block_out.float(), block_lse
+                out, lse = block_out.to(torch.float32, copy=True), block_lse.clone()
             else:
                 _merge(out, lse, block_out.float(), block_lse, rows)
             if pending is not None:

@@ -33,6 +33,8 @@ SCHEDULES = {
     "dualpipev": ScheduleDualPipeV,
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
+# Schedules that split backward into input and (deferred) weight gradients.
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
 
 

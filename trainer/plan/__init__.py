@@ -18,9 +18,10 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.metrics import flops_per_token
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
 from trainer.plan.layout import holdings
-from trainer.plan.memory import FP32, ZERO_BUBBLE, RankMemory, Shapes, rank_memory
+from trainer.plan.memory import FP32, RankMemory, Shapes, rank_memory
 from trainer.plan.time import StepTime, step_time
 from trainer.rules import DTYPES
 
@@ -95,8 +96,8 @@ class Plan:
 
 def _advice(term: str) -> str:
     if term == "activations":
-        return ("set training.activation_checkpoint=full, raise training.grad_accum_steps or parallel.tp/cp, "
-                "or lower training.seq_len")
+        return ("set training.activation_checkpoint=selective or full, raise training.grad_accum_steps or "
+                "parallel.tp/cp, or lower training.seq_len")
     if term in ("params", "grads", "optimizer"):
         return "shard over more ranks (parallel.dp_shard, tp or pp) or use a smaller model"
     return "raise parallel.tp or parallel.pp, or shard over more ranks"
@@ -116,22 +117,25 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
         act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
+    # Full checkpointing applies to every Nth block: the share of blocks it recomputes.
+    share = -(-m.n_layers // t.activation_checkpoint_every) / m.n_layers if t.activation_checkpoint == "full" else 0.0
     n_stages = dims.pp * dims.pp_stages_per_rank
     ranks = []
     stages_by_rank = holdings(job, dims)
     for pp_rank, stages in enumerate(stages_by_rank):
         ranks.append(rank_memory(
-            pp_rank, stages, shapes, activation_checkpoint=t.activation_checkpoint, schedule=schedule, pp=dims.pp,
+            pp_rank, stages, shapes, activation_checkpoint=t.activation_checkpoint, checkpointed_share=share,
+            schedule=schedule, pp=dims.pp,
             n_microbatches=dims.pp_microbatches, grad_accum=t.grad_accum_steps, param_bytes=act_bytes,
             has_loss=any(s.stage == n_stages - 1 for s in stages),
         ))
 
     flops = flops_per_token(m, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
-    recompute = t.activation_checkpoint == "full"
-    # Full checkpointing runs each block's forward again (4/3 of the work: forward 1, backward 2);
-    # a zero-bubble schedule's split backward runs it twice more (5/3, see memory.py).
-    extra = (2 if schedule in ZERO_BUBBLE else 1) if recompute else 0
+    # Full checkpointing runs a block's forward again (4/3 of the work: forward 1, backward 2); a
+    # zero-bubble schedule's split backward runs it twice more (5/3, see memory.py). Selective
+    # checkpointing recomputes only element-wise work, not counted in the FLOPs.
+    extra = (2 if schedule in ZERO_BUBBLE else 1) * share
     flops_per_rank = flops * tokens_per_step / dims.world_size * (3 + extra) / 3
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
@@ -148,7 +152,8 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
         expert_bytes=shapes.tokens * m.top_k * m.dim * act_bytes,
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
         microbatches_per_rank=t.grad_accum_steps * dims.pp_microbatches * len(busiest), accum=t.grad_accum_steps,
-        recompute=recompute, schedule=schedule, per_rank_stages=dims.pp_stages_per_rank,
+        recompute=share, selective=t.activation_checkpoint == "selective", schedule=schedule,
+        per_rank_stages=dims.pp_stages_per_rank,
         n_microbatches=dims.pp_microbatches, moe=m.n_experts > 0,
     )
     return Plan(dims.world_size, device, dims, ranks, timing, tokens_per_step, flops, peak_tflops)

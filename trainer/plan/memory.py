@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
+from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE
 from trainer.plan.layout import StageHoldings
 
 FP32 = 4
-# Schedules that split backward into input and (deferred) weight gradients.
-ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
 @dataclass
@@ -82,6 +80,23 @@ def layer_activation_bytes(s: Shapes) -> float:
     return elements * s.act_bytes + fp32 * FP32
 
 
+def selective_layer_bytes(s: Shapes) -> float:
+    """Bytes a block under selective checkpointing keeps: its input and the outputs of its matmuls,
+    its attention and the collectives that reduce into the residual stream (the rest is recomputed)."""
+    t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
+    stream = t // tp if s.sequence_parallel and tp > 1 else t
+    kv = t * s.n_kv_heads * head // tp
+    # The output projections' products, and with tensor parallel their reduced copies.
+    into_stream = t * s.dim + (stream * s.dim if tp > 1 else 0)
+    elements = stream * s.dim + t * s.dim // tp + 2 * kv + t * s.dim // tp + into_stream
+    if s.n_experts:  # the router's logits; each token's top_k copies through the experts' three matmuls
+        slots = t * s.top_k // (tp if s.sequence_parallel and tp > 1 else 1)
+        elements += stream * s.n_experts + slots * (2 * s.ffn_dim + s.dim)
+    else:
+        elements += 2 * t * s.ffn_dim // tp + into_stream
+    return elements * s.act_bytes + t * s.n_heads // tp * FP32  # attention's log-sum-exp
+
+
 def checkpointed_layer_bytes(s: Shapes) -> float:
     """Bytes a fully checkpointed block keeps: its input."""
     stream = s.tokens // s.tp if s.sequence_parallel and s.tp > 1 else s.tokens
@@ -117,8 +132,8 @@ def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank
 
 
 def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activation_checkpoint: str,
-                schedule: str | None, pp: int, n_microbatches: int, grad_accum: int, param_bytes: int,
-                has_loss: bool) -> RankMemory:
+                checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
+                param_bytes: int, has_loss: bool) -> RankMemory:
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     params = sharded * FP32
     grads = sharded * FP32
@@ -137,15 +152,20 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
     per_layer = layer_activation_bytes(s)
     in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
     stage_layers = layers / len(stages)  # activations of one stage-microbatch
-    if activation_checkpoint == "full" and schedule in ZERO_BUBBLE:
+    if activation_checkpoint == "none":
+        saved = in_flight * stage_layers * per_layer
+    elif schedule in ZERO_BUBBLE:  # (full; selective is refused with these schedules)
         # Measured (torch 2.13): a zero-bubble schedule's split backward recomputes a checkpointed
         # stage for the input gradients and again for the deferred weight gradients, holding both:
         # about twice the activations of the same schedule without checkpointing.
-        saved = 2 * in_flight * stage_layers * per_layer
-    elif activation_checkpoint == "full":
-        saved = in_flight * stage_layers * checkpointed_layer_bytes(s) + per_layer  # one block recomputed
+        saved = (1 + checkpointed_share) * in_flight * stage_layers * per_layer
     else:
-        saved = in_flight * stage_layers * per_layer
+        if activation_checkpoint == "selective":  # a block's recompute adds what it did not keep
+            kept, share, recomputed = selective_layer_bytes(s), 1.0, per_layer - selective_layer_bytes(s)
+        else:
+            kept, share, recomputed = checkpointed_layer_bytes(s), checkpointed_share, per_layer
+        per_block = share * kept + (1 - share) * per_layer
+        saved = in_flight * stage_layers * per_block + recomputed  # one block recomputed at a time
     activations = saved + (loss_bytes(s) if has_loss else 0)
 
     largest_unit = max((u.gathered for u in units), default=0)

@@ -16,7 +16,7 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.plan import GIB, Plan, make_plan
 from trainer.plan.devices import Device
-from trainer.rules import check_job
+from trainer.rules import AC_MODES, check_job
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -36,7 +36,7 @@ def candidates(job: JobConfig, gpus: int, device: Device):
                     schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
                     for schedule, per_rank in schedules:
                         for ep in _powers_of_two(m.n_experts) if m.n_experts else [1]:
-                            for ac in ("none", "full"):
+                            for ac in AC_MODES:
                                 overrides = {"parallel.tp": tp, "parallel.cp": cp, "parallel.pp": pp,
                                              "parallel.dp_replicate": dp_replicate,
                                              "parallel.dp_shard": dp // dp_replicate, "parallel.ep": ep,

@@ -18,6 +18,9 @@ COMPUTE_EFFICIENCY = {"gpu": 0.55, "cpu": 0.70, "cpu_collectives": 0.55}
 # Mixture-of-experts blocks also sort, gather and scatter their tokens, work the FLOPs leave out:
 # measured on CPU (ep2 as above) 0.8 of a dense model's rate.
 MOE_EFFICIENCY = 0.8
+# Tensor parallel halves each matmul and adds DTensor's dispatch to every op: on CPU (tp2 as above,
+# four sittings) 0.68-0.87 of the rate FSDP sustains. Not measured on GPUs (taken as 1.0 there).
+CPU_TP_EFFICIENCY = 0.8
 
 
 @dataclass
@@ -49,11 +52,14 @@ def ring_seconds(nbytes: float, ranks: int, gbps: float) -> float:
 def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims, gathered_bytes: float,
               grad_bytes: float, sharded_grad_bytes: float, act_stream_bytes: float, kv_bytes: float,
               expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int, accum: int,
-              recompute: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
+              recompute: float, selective: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
               moe: bool = False) -> StepTime:
-    """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py)."""
+    """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py);
+    `recompute` is the share of blocks whose forward runs again in backward."""
     kind = "gpu" if device.name != "cpu" else "cpu" if dims.world_size == dims.pp else "cpu_collectives"
     peak = dtype_peak_tflops * 1e12 * COMPUTE_EFFICIENCY[kind] * (MOE_EFFICIENCY if moe else 1.0)
+    if kind != "gpu" and dims.tp > 1:
+        peak *= CPU_TP_EFFICIENCY
     compute = flops_per_rank / peak if peak > 0 else float("nan")  # nan: the device's peak is unknown
 
     tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
@@ -69,8 +75,9 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
 
     passes = microbatches_per_rank * layers_per_rank
     # Sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, as many backward,
-    # and the forward's again when the block is recomputed.
-    tp_ops = (8 + (4 if recompute else 0)) * passes
+    # and the forward's again when the block is recomputed (only the all-gathers under selective
+    # checkpointing, which keeps what was reduce-scattered).
+    tp_ops = (8 + 4 * recompute + (2 if selective else 0)) * passes
     tp_s = ring_seconds(act_stream_bytes, tp, link_gbps(device, 1, tp)) * tp_ops
     # Ring attention: K/V go round once forward and with their gradients once backward.
     cp_s = 3 * (cp - 1) * kv_bytes * passes / (link_gbps(device, tp, cp) * 1e9) / 2 if cp > 1 else 0.0
