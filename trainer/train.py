@@ -167,6 +167,10 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         optimizer.zero_grad(set_to_none=True)
         if step == counted_until and tensor_memory is not None:
             tensor_memory.stop()
+            if t.compile:
+                # Blocks run eagerly while tensors are counted: dynamo skips a frame under a dispatch
+                # mode and remembers the skip. Forgotten here, the next step compiles them.
+                torch.compiler.reset()
 
         validate = job.validation.every > 0 and step % job.validation.every == 0
         if step % job.metrics.log_every == 0 or step == t.steps or validate:
@@ -201,6 +205,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
             break
     if tensor_memory is not None:
         tensor_memory.stop()
+    if t.compile and rank == 0:
+        print(f"compile: {compiled_graphs()} graphs compiled", flush=True)
     train_batches.close()
     if checkpointer is not None:
         checkpointer.close()
@@ -317,6 +323,14 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_pa
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process. Dynamo's counters are private (torch 2.13);
+    kept to this one function."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
