@@ -1,4 +1,4 @@
-"""Converts between Hugging Face directories and this trainer's checkpoints (SPEC §9).
+"""Converts between Hugging Face directories and this trainer's checkpoints.
 
     python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME]   # OUT: usable as checkpoint.initial
     python scripts/convert_hf.py to-hf CKPT OUT [--model NAME]       # OUT: loads with AutoModelForCausalLM

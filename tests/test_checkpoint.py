@@ -27,7 +27,7 @@ COMMON = (
 LLAMA = ("model=llama_debug", *COMMON)
 MIXTRAL = ("model=mixtral_debug", *COMMON)
 EXACT = 1e-6  # the same layout resumed
-RESHARDED = 1e-4  # another layout: SPEC §8's tolerance
+RESHARDED = 1e-4  # another layout: the parity tolerance
 
 
 def by_step(records: list[dict]) -> dict[int, dict]:

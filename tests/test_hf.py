@@ -1,4 +1,4 @@
-"""Hugging Face interop (SPEC §9): random transformers models, built here with no download,
+"""Hugging Face interop: random transformers models, built here with no download,
 imported and exported by scripts/convert_hf.py and load_weights, give the same logits."""
 
 import subprocess

@@ -1,4 +1,4 @@
-"""SPEC §8: every parallel layout reproduces the single-process loss curve.
+"""Every parallel layout reproduces the single-process loss curve.
 
 One seed, one global batch, ten steps of llama_debug in fp32. The 1-rank run is the reference;
 each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient norms must match
@@ -71,7 +71,7 @@ LAYOUTS = {
 }
 
 
-# Mixtral: expert parallel in each layout it composes with (MoE tolerance, SPEC §8). The
+# Mixtral: expert parallel in each layout it composes with (with the MoE tolerance). The
 # load-balancing loss is a per-microbatch statistic, so a layout whose pipeline cuts the batch
 # into two microbatches is held against one rank accumulating two: the same microbatches.
 MOE_RTOL = 1e-3

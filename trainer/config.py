@@ -1,4 +1,4 @@
-"""The configuration schema (SPEC §4) and its registration with Hydra.
+"""The configuration schema and its registration with Hydra.
 
 The dataclasses are registered in Hydra's ConfigStore as the base of the primary config, so a
 misspelt key or a value of the wrong type fails at composition time, naming the key.
@@ -200,7 +200,7 @@ class JobConfig:
 def register_configs() -> None:
     """Registers the schema and the recipes with Hydra.
 
-    Recipes live in the top-level `recipes/` folder (SPEC §1) but are selected as the group
+    Recipes live in the top-level `recipes/` folder but are selected as the group
     `recipe` (`+recipe=NAME`), so each file is stored in the ConfigStore under that group.
     """
     if not OmegaConf.has_resolver("recipe_name"):

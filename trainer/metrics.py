@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory figures, written to metrics.jsonl and the console (SPEC §6)."""
+"""Throughput, MFU and memory figures, written to metrics.jsonl and the console."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """Fills every parameter from a generator seeded by (seed, parameter name).
 
     Each full tensor is drawn whole and each rank keeps its own shard of it, so the model is the
-    same whatever the sharding: the condition for SPEC §8's parity between layouts.
+    same whatever the sharding: the condition for parity between layouts.
     """
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param

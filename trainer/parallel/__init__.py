@@ -1,4 +1,4 @@
-"""Applies the parallelisms to a model, in the fixed order of STYLE.md:
+"""Applies the parallelisms to a model, in a fixed order:
 tensor/sequence parallel (and the context-parallel attention kernel), activation checkpointing,
 compile, then FSDP."""
 
