@@ -13,19 +13,12 @@ from __future__ import annotations
 import os
 import runpy
 import signal
-import socket
 import sys
 import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "train.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
@@ -50,6 +43,7 @@ def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
 def main(nproc: int, overrides: list[str]) -> int:
     sys.path.insert(0, str(REPO))
     import trainer.train  # noqa: F401  (the import the ranks share)
+    from trainer.distributed import _free_port
 
     port = _free_port()
     ranks = {}
