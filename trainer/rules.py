@@ -67,11 +67,6 @@ def check_training(t, dims: ParallelDims) -> None:
     for key in ("steps", "seq_len", "global_batch_size"):
         if getattr(t, key) < 1:
             raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 1")
-    if t.compile and dims.tp_enabled:
-        # Measured with torch 2.13: compiled blocks under sequence parallel return no gradient
-        # to the tensor-parallel embedding (its gradient is all zeros), so training would be wrong.
-        raise ConfigError(f"training.compile=true cannot be combined with parallel.tp={dims.tp} yet: compiled "
-                          f"blocks drop the embedding's gradient under tensor parallel; use training.compile=false")
     if t.activation_checkpoint not in AC_MODES:
         raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be one of {list(AC_MODES)}")
     if t.activation_checkpoint_every < 1:

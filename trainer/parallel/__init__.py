@@ -27,6 +27,12 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, *, param_dtype: torc
     apply_activation_checkpoint(model.layers, activation_checkpoint, activation_checkpoint_every,
                                 experts_sharded=dims.ep_enabled)
     if compile:
+        if dims.tp_enabled and model.tok_embeddings is not None:
+            # The embedding's tensor-parallel output is a collective's pending result (a tensor
+            # subclass); a compiled block taking it as input returns its gradient past the DTensor
+            # conversion, and the embedding's backward fails or loses it (torch 2.13). A copy is a
+            # plain tensor, and the block needs the collective's result at once anyway.
+            model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
         for block in blocks:
             block.compile()
     # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.
