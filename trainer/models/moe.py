@@ -40,9 +40,8 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
                   w3: torch.Tensor) -> torch.Tensor:
     """Each expert's SwiGLU on its contiguous slice of x, as grouped matmuls (one kernel for all
     experts). torch's grouped matmul takes fp32 on CPU and bf16 on CUDA, but no empty input in
-    backward and, compiled, bf16 only (torch 2.13); other cases loop over the experts, one
-    matmul per expert and weight."""
-    if len(x) == 0 or (x.dtype != torch.bfloat16 and (x.device.type != "cpu" or torch.compiler.is_compiling())):
+    backward (torch 2.13); other cases loop over the experts, one matmul per expert and weight."""
+    if len(x) == 0 or (x.dtype != torch.bfloat16 and x.device.type != "cpu"):
         return _expert_swiglu_loop(x, counts, w1, w2, w3)
     offsets = counts.cumsum(0).to(torch.int32)
 
@@ -82,21 +81,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        n_tokens, n_experts = x.shape[0], self.router.out_features
+        n_experts = self.router.out_features
         logits = self.router(x).float()
         top_logits, chosen = logits.topk(self.top_k, dim=-1)
         weights = top_logits.softmax(dim=-1).to(x.dtype)
 
-        # Slots: (token, choice) pairs, grouped by expert.
-        slots = chosen.flatten()
-        order = slots.argsort(stable=True)
-        counts = slots.bincount(minlength=n_experts)
-        routed = counts
-        if self.capacity_factor is not None:
-            order, counts = _drop_overflow(order, counts, self.capacity(n_tokens, n_experts))
-        token = order // self.top_k
-        y = self.experts(x[token], counts) * weights.flatten()[order, None]
-        out = torch.zeros_like(x).index_add(0, token, y)
+        out, routed, counts = self.dispatch(x, chosen, weights)
 
         # Switch/Mixtral: n_experts * sum_e (share of slots routed to e) * (mean router probability of e).
         # The shares are the whole batch's; each rank's mean probability is its share of the batch
@@ -106,6 +96,26 @@ class MoE(nn.Module):
         aux = self.aux_loss_coef * balance + self.z_loss_coef * logits.logsumexp(dim=-1).square().mean()
         stats = (routed.detach().float(), balance.detach(), (routed - counts).sum().detach())
         return _AttachAuxLoss.apply(out, aux, self, stats).view(shape)
+
+    @torch.compiler.disable
+    def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
+        """Sends each token to its chosen experts and sums their weighted outputs.
+
+        -> (output, slots routed to each expert, slots each expert ran). Runs eagerly under
+        torch.compile: how many tokens each expert gets (and, with expert parallel, how many each
+        rank sends) changes every step, and compiled code would recompile for each new count.
+        """
+        n_tokens, n_experts = len(x), self.router.out_features
+        # Slots: (token, choice) pairs, grouped by expert.
+        slots = chosen.flatten()
+        order = slots.argsort(stable=True)
+        counts = slots.bincount(minlength=n_experts)
+        routed = counts
+        if self.capacity_factor is not None:
+            order, counts = _drop_overflow(order, counts, self.capacity(n_tokens, n_experts))
+        token = order // self.top_k
+        y = self.experts(x[token], counts) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add(0, token, y), routed, counts
 
     def capacity(self, n_tokens: int, n_experts: int) -> int:
         """Slots each expert takes per forward when a capacity factor is set."""
