@@ -48,6 +48,10 @@ def train_metrics(nproc: int, *overrides: str, output_dir: Path, timeout: float 
     """The metrics.jsonl records of a run that must succeed."""
     result = launch(nproc, *overrides, output_dir=output_dir, timeout=timeout, env=env)
     assert result.returncode == 0, f"run failed:\n{failure_report(result)}"
+    if "training.compile=true" in overrides:
+        # What could not be compiled runs eagerly without a word: the blocks must really compile.
+        graphs = int(result.stdout.split("compile: ")[1].split()[0])
+        assert graphs >= 1, f"nothing was compiled:\n{result.stdout[-2000:]}"
     return read_metrics(output_dir)
 
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from helpers import ENV, REPO, launch, read_metrics, torchrun
+from helpers import ENV, REPO, read_metrics, torchrun
 from omegaconf import OmegaConf
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib", "elapsed_s"}
@@ -45,36 +45,6 @@ def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
     assert [("val_loss" in r) for r in records] == [False, True, False, True]
     assert records[-1]["val_loss"] < records[1]["val_loss"]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
-
-
-def test_compiled_blocks_train_and_agree_with_eager_before_any_update(tmp_path):
-    eager = launch(1, "+recipe=llama_fsdp", *SHORT, output_dir=tmp_path / "eager", timeout=240)
-    compiled = launch(1, "+recipe=llama_fsdp", *SHORT, "training.compile=true", output_dir=tmp_path / "compiled",
-                      timeout=400)
-    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
-    # The blocks really compiled (once counting tensors stopped: the first steps run eagerly on CPU).
-    graphs = int(compiled.stdout.split("compile: ")[1].split()[0])
-    assert graphs >= 1, compiled.stdout[-2000:]
-    eager_losses = [r["loss"] for r in read_metrics(tmp_path / "eager")]
-    compiled_losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
-    assert abs(compiled_losses[0] - eager_losses[0]) <= 1e-4 * eager_losses[0]
-    assert compiled_losses[-1] < compiled_losses[0]
-    assert abs(compiled_losses[-1] - eager_losses[-1]) <= 1e-3 * eager_losses[-1]  # steps 3-4 compiled
-
-
-def test_compile_with_tensor_parallel_is_refused():
-    import pytest
-
-    from trainer.config import JobConfig
-    from trainer.errors import ConfigError
-    from trainer.rules import check_job
-
-    job = JobConfig()
-    job.training.seq_len, job.training.compile, job.parallel.tp = 128, True, 2
-    with pytest.raises(ConfigError, match=r"training.compile=true cannot be combined with parallel.tp=2"):
-        check_job(job, world=2)
-    job.parallel.tp = 1
-    check_job(job, world=2)
 
 
 def test_mixture_of_experts_rules_are_config_errors():
