@@ -267,11 +267,13 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
 
     if not dims.pp_enabled:
         return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel), eval_fn
-    accum, n_microbatches = job.training.grad_accum_steps, dims.pp_microbatches
+    # Accumulation steps are more microbatches of one schedule run: FSDP gathers and reduce-scatters
+    # once a step, and the pipeline fills and drains once.
+    n_microbatches = job.training.grad_accum_steps * dims.pp_microbatches
 
     def loss_fn(logits, labels):
         # Each microbatch's share of the step's mean loss, so gradients sum to the mean's.
-        return cross_entropy(logits, labels) / (accum * n_microbatches)
+        return cross_entropy(logits, labels) / n_microbatches
 
     n_stages = dims.pp * dims.pp_stages_per_rank
     schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, pp_group, device,
@@ -306,19 +308,19 @@ def train_step(model, microbatches: list, *, device: torch.device, loss_parallel
 
 def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_parallel: bool, first: bool,
                   last: bool) -> torch.Tensor:
-    """One schedule run per accumulation chunk; the schedule splits it into pipeline microbatches
-    and (on the last stage) records each one's already scaled loss, so they sum to the mean."""
-    total = torch.zeros((), device=device)
-    for inputs, labels, positions in microbatches:
-        losses: list[torch.Tensor] = []
-        args = (inputs.to(device),) if first else ()
-        with loss_parallel_context(loss_parallel):
-            # Every stage's blocks need the positions; the schedule splits them like the inputs.
-            schedule.step(*args, target=labels.to(device) if last else None, losses=losses,
-                          positions=positions.to(device))
-        if last:
-            total += torch.stack([_local(loss.detach()) for loss in losses]).sum()
-    return total
+    """One schedule run over the step's microbatches (the accumulation steps' together, in order):
+    the schedule cuts them into pipeline microbatches and (on the last stage) records each one's
+    already scaled loss, so they sum to the mean."""
+    inputs, labels, positions = (torch.cat(parts) for parts in zip(*microbatches))
+    losses: list[torch.Tensor] = []
+    args = (inputs.to(device),) if first else ()
+    with loss_parallel_context(loss_parallel):
+        # Every stage's blocks need the positions; the schedule splits them like the inputs.
+        schedule.step(*args, target=labels.to(device) if last else None, losses=losses,
+                      positions=positions.to(device))
+    if not last:
+        return torch.zeros((), device=device)
+    return torch.stack([_local(loss.detach()) for loss in losses]).sum()
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

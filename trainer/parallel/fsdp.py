@@ -1,5 +1,5 @@
-"""FSDP2 (fully_shard) and HSDP: each transformer block one unit, the root (embedding, norm,
-output) another."""
+"""FSDP2 (fully_shard) and HSDP: each transformer block one unit, the embedding one, the final norm
+and output head one, and the root (whatever is left: the embedding and head when tied)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,28 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP.
 
     With `expert_mesh` (expert parallel), each block's experts are a unit of their own on that mesh.
+    The embedding and the head are units of their own, so that a large vocabulary's weights are
+    gathered only while they are used (unless tied: then both stay in the root).
 
     Under pipeline parallel, parameters stay gathered from forward to backward: a stage runs
     many microbatches, and the zero-bubble schedules' deferred weight-gradient pass gives wrong
     gradients with parameters re-gathered for backward (measured with torch 2.13).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    def shard(module: nn.Module | list[nn.Module], reshard: bool, on: DeviceMesh = mesh) -> None:
+        fully_shard(module, mesh=on, mp_policy=mp_policy, reshard_after_forward=reshard and not pipelined)
+
+    embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
+    tied = embedding is not None and model.output is not None and model.output.weight is embedding.weight
+    if embedding is not None and not tied:
+        shard(embedding, reshard=True)  # needed again only at the very end of backward
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        reshard = not pipelined and i < len(blocks) - 1
+        reshard = i < len(blocks) - 1
         if expert_mesh is not None:
-            experts = block.feed_forward.experts
-            fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not pipelined)
+            shard(block.feed_forward.experts, reshard, on=expert_mesh)
+        shard(block, reshard)
+    if head and not tied:
+        shard(head, reshard=False)  # backward starts with them
+    shard(model, reshard=True)

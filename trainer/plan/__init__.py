@@ -126,7 +126,8 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
         ranks.append(rank_memory(
             pp_rank, stages, shapes, activation_checkpoint=t.activation_checkpoint, checkpointed_share=share,
             schedule=schedule, pp=dims.pp,
-            n_microbatches=dims.pp_microbatches, grad_accum=t.grad_accum_steps, param_bytes=act_bytes,
+            n_microbatches=t.grad_accum_steps * dims.pp_microbatches, grad_accum=t.grad_accum_steps,
+            param_bytes=act_bytes,
             has_loss=any(s.stage == n_stages - 1 for s in stages),
         ))
 
@@ -151,9 +152,10 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
         act_stream_bytes=stream, kv_bytes=2 * shapes.tokens * m.n_kv_heads * head // dims.tp * act_bytes,
         expert_bytes=shapes.tokens * m.top_k * m.dim * act_bytes,
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
-        microbatches_per_rank=t.grad_accum_steps * dims.pp_microbatches * len(busiest), accum=t.grad_accum_steps,
+        microbatches_per_rank=t.grad_accum_steps * dims.pp_microbatches * len(busiest),
         recompute=share, selective=t.activation_checkpoint == "selective", schedule=schedule,
         per_rank_stages=dims.pp_stages_per_rank,
-        n_microbatches=dims.pp_microbatches, moe=m.n_experts > 0,
+        # Under pipeline parallel a step's accumulation steps are microbatches of one schedule run.
+        n_microbatches=t.grad_accum_steps * dims.pp_microbatches, moe=m.n_experts > 0,
     )
     return Plan(dims.world_size, device, dims, ranks, timing, tokens_per_step, flops, peak_tflops)

@@ -102,17 +102,26 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
             parallelize(model)
             units = _units(model, dims.ep_enabled)
             units = [Unit(u.name.replace("layers.0", layer), u.sharded, u.gathered)
-                     for layer in layers for u in units if u.name != "root"] + [u for u in units if u.name == "root"]
+                     for layer in layers for u in units if u.name.startswith("layers.")] + [
+                     u for u in units if not u.name.startswith("layers.")]
             by_stage[stage] = StageHoldings(stage, modules[stage], units)
     return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
             for r in range(dims.pp)]
 
 
 def _units(model: torch.nn.Module, experts_apart: bool) -> list[Unit]:
-    """The FSDP units of a parallelized model: each block (with expert parallel, its experts apart),
-    then the root's own parameters."""
+    """The FSDP units of a parallelized model (see apply_fsdp): each block (with expert parallel, its
+    experts apart), the embedding, the final norm and head, then the root's own parameters."""
     units = []
     claimed = set()
+    embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
+    if embedding is not None and model.output is not None and model.output.weight is embedding.weight:
+        embedding, head = None, []  # tied: both in the root
+    for name, modules in (("tok_embeddings", [embedding] if embedding is not None else []), ("head", head)):
+        if modules:
+            params = [p for m in modules for p in m.parameters()]
+            units.append(_unit(name, params))
+            claimed |= {id(p) for p in params}
     for index, block in model.layers.items():
         experts = getattr(block.feed_forward, "experts", None)
         if experts_apart and experts is not None:

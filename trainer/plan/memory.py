@@ -143,10 +143,11 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
         # Under pipeline parallel a stage keeps its parameters gathered from forward to backward.
         gathered = sum(u.gathered for u in units) * param_bytes
     else:
-        # The root (embedding, norm, head) stays gathered; a block computes while the next is gathered.
-        root = next((u.gathered for u in units if u.name == "root"), 0)
-        blocks = [u.gathered for u in units if u.name != "root"]
-        gathered = (root + sum(blocks[:2])) * param_bytes
+        # At the start of backward: the head (and a root holding tied weights) stays gathered, and a
+        # block computes while the next is gathered. The embedding was resharded after forward.
+        kept = sum(u.gathered for u in units if u.name in ("head", "root"))
+        blocks = [u.gathered for u in units if u.name.startswith("layers.")]
+        gathered = (kept + sum(blocks[:2])) * param_bytes
 
     layers = sum(stage.layers for stage in stages)
     per_layer = layer_activation_bytes(s)

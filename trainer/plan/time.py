@@ -51,7 +51,7 @@ def ring_seconds(nbytes: float, ranks: int, gbps: float) -> float:
 
 def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims, gathered_bytes: float,
               grad_bytes: float, sharded_grad_bytes: float, act_stream_bytes: float, kv_bytes: float,
-              expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int, accum: int,
+              expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int,
               recompute: float, selective: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
               moe: bool = False) -> StepTime:
     """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py);
@@ -65,11 +65,12 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
     fsdp_ranks = dp_shard * cp
     fsdp_link = link_gbps(device, tp, fsdp_ranks)
-    # Gathered once for forward and again for backward (kept gathered under pipeline parallel),
-    # every microbatch; gradients reduce-scattered once per microbatch.
-    gathers = (1 if schedule is not None else 2) * microbatches_per_rank
+    # Gathered for forward and again for backward, every microbatch; under pipeline parallel once a
+    # step (a stage keeps its parameters gathered through the schedule run). Gradients are
+    # reduce-scattered once a step, after the last microbatch.
+    gathers = 1 if schedule is not None else 2 * microbatches_per_rank
     fsdp = ring_seconds(gathered_bytes, fsdp_ranks, fsdp_link) * gathers
-    fsdp += ring_seconds(grad_bytes, fsdp_ranks, fsdp_link) * accum
+    fsdp += ring_seconds(grad_bytes, fsdp_ranks, fsdp_link)
     if dp_rep > 1:  # HSDP: the shards' gradients all-reduced across replicas
         fsdp += 2 * ring_seconds(sharded_grad_bytes, dp_rep, link_gbps(device, tp * cp * dp_shard, dp_rep))
 
