@@ -47,6 +47,37 @@ def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
 
 
+def test_precision_and_compile_rules_are_config_errors(monkeypatch):
+    import pytest
+
+    from trainer.config import JobConfig
+    from trainer.errors import ConfigError
+    from trainer.rules import check_job
+
+    def check(device="cpu", compile=False, **dtypes):
+        job = JobConfig()
+        job.device, job.training.seq_len, job.training.compile = device, 64, compile
+        for key, value in dtypes.items():
+            setattr(job.training.mixed_precision, key, value)
+        check_job(job, world=2)
+
+    check(param_dtype="bfloat16", reduce_dtype="bfloat16")
+    check(device="cuda", reduce_dtype="bfloat16")  # auto: bf16 parameters on CUDA
+    check(compile=True)
+    for dtypes, message in [
+        ({"param_dtype": "float8"}, r"training.mixed_precision.param_dtype=float8 must be one of"),
+        ({"param_dtype": "float16"}, r"param_dtype=float16 needs loss scaling"),
+        ({"reduce_dtype": "float16"}, r"reduce_dtype=float16 overflows"),
+        ({"reduce_dtype": "bfloat16"}, r"reduce_dtype=bfloat16 is narrower than the float32 parameters \(param_dtype=auto"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check(**dtypes)
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match=r"training.compile=true cannot compile on cpu here: no C\+\+ compiler"):
+        check(compile=True)
+
+
 def test_mixture_of_experts_rules_are_config_errors():
     import pytest
 

@@ -8,6 +8,9 @@ Rules that need the data (the tokenizer's vocabulary) stay with the data.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,6 +35,7 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true: "
                           f"each tp rank routes its own slice of the sequence")
     check_training(job.training, dims)
+    check_precision_and_compile(job.training, job.device)
     schedule = job.parallel.pp_schedule
     if job.training.activation_checkpoint == "selective" and dims.pp_enabled and schedule in ZERO_BUBBLE:
         # torch (2.13) frees what selective checkpointing saved at a block's first backward; these
@@ -75,6 +79,34 @@ def check_training(t, dims: ParallelDims) -> None:
         value = getattr(t.mixed_precision, key)
         if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
             raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
+
+
+def check_precision_and_compile(t, device: str) -> None:
+    """The dtypes and compile against the device the job will run on (`auto`: CUDA if there is one)."""
+    mp = t.mixed_precision
+    device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if mp.param_dtype == "float16":
+        raise ConfigError("training.mixed_precision.param_dtype=float16 needs loss scaling, which this trainer does "
+                          "not do (gradients underflow); use bfloat16")
+    if mp.reduce_dtype == "float16":
+        raise ConfigError("training.mixed_precision.reduce_dtype=float16 overflows when gradients are summed over "
+                          "ranks; use float32 (or bfloat16 with bfloat16 parameters)")
+    if DTYPES[mp.reduce_dtype] == torch.bfloat16 and param_dtype(mp, device) == torch.float32:
+        raise ConfigError(f"training.mixed_precision.reduce_dtype=bfloat16 is narrower than the float32 parameters "
+                          f"(param_dtype={mp.param_dtype} on {device}): gradients would lose precision in the sum; "
+                          f"use float32")
+    if t.compile and (missing := compile_missing(device)):
+        raise ConfigError(f"training.compile=true cannot compile on {device} here: {missing}; "
+                          f"use training.compile=false")
+
+
+def compile_missing(device: str) -> str | None:
+    """What inductor lacks to compile for `device` (None if nothing): Triton kernels on CUDA, a C++
+    compiler on the CPU."""
+    if torch.device(device).type == "cuda":
+        return None if importlib.util.find_spec("triton") else "the triton package is not installed"
+    compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    return None if any(c and shutil.which(c) for c in compilers) else "no C++ compiler (g++, clang++) on PATH"
 
 
 def resolve_layout(parallel, model, training, world_size: int) -> ParallelDims:
