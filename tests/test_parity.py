@@ -35,7 +35,6 @@ COMMON = (
 # name -> (ranks, recipe and overrides)
 LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"]),
-    "fsdp4": (4, ["+recipe=llama_fsdp"]),
     "hsdp2x2": (4, ["+recipe=llama_hsdp"]),
     "fsdp2_accum2": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2"]),
     "fsdp2_ac_full": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full"]),
