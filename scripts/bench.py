@@ -33,7 +33,9 @@ def run_trainer(recipe: str, ranks: int, threads: int, steps: int, warmup: int, 
                 label: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // ranks))}
     with tempfile.TemporaryDirectory() as out:
-        args = [f"+recipe={recipe}", "device=cpu", f"training.steps={steps}", "metrics.log_every=1",
+        # +smoke=cpu: the recipe's layout without its GPU sizing (accumulation, checkpointing), so the
+        # trainer runs the plain loop's batch in one microbatch.
+        args = [f"+recipe={recipe}", "+smoke=cpu", f"training.steps={steps}", "metrics.log_every=1",
                 "metrics.peak_tflops=auto", f"output_dir={out}", *overrides]
         launcher = [sys.executable] if ranks == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
@@ -60,7 +62,8 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
 
     from trainer import build_model
     from trainer.config import CONFIG_DIR, register_configs
-    from trainer.metrics import flops_per_token, measure_cpu_tflops, peak_memory_gib
+    from trainer.memory import peak_memory_gib
+    from trainer.metrics import flops_per_token, measure_cpu_tflops
 
     torch.set_num_threads(threads)
     register_configs()
