@@ -9,6 +9,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
+def edge_units(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """The embedding and the [final norm, output head] as FSDP units of their own: (None, []) when the
+    head is tied to the embedding, as both then stay in the root; an absent module (a pipeline stage
+    without it) is left out."""
+    embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
+    if embedding is not None and model.output is not None and model.output.weight is embedding.weight:
+        return None, []
+    return embedding, head
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, pipelined: bool = False, expert_mesh: DeviceMesh | None = None) -> None:
     """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP.
@@ -26,9 +36,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     def shard(module: nn.Module | list[nn.Module], reshard: bool, on: DeviceMesh = mesh) -> None:
         fully_shard(module, mesh=on, mp_policy=mp_policy, reshard_after_forward=reshard and not pipelined)
 
-    embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
-    tied = embedding is not None and model.output is not None and model.output.weight is embedding.weight
-    if embedding is not None and not tied:
+    embedding, head = edge_units(model)
+    if embedding is not None:
         shard(embedding, reshard=True)  # needed again only at the very end of backward
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
@@ -36,6 +45,6 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
         if expert_mesh is not None:
             shard(block.feed_forward.experts, reshard, on=expert_mesh)
         shard(block, reshard)
-    if head and not tied:
+    if head:
         shard(head, reshard=False)  # backward starts with them
     shard(model, reshard=True)

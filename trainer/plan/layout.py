@@ -22,6 +22,7 @@ from trainer.models import build_model
 from trainer.models.llama import attend_within_documents
 from trainer.parallel import PARALLELIZE
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.fsdp import edge_units
 from trainer.parallel.pipeline import keep_modules, split_modules, stage_ids
 from trainer.rules import DTYPES
 
@@ -114,9 +115,7 @@ def _units(model: torch.nn.Module, experts_apart: bool) -> list[Unit]:
     experts apart), the embedding, the final norm and head, then the root's own parameters."""
     units = []
     claimed = set()
-    embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
-    if embedding is not None and model.output is not None and model.output.weight is embedding.weight:
-        embedding, head = None, []  # tied: both in the root
+    embedding, head = edge_units(model)
     for name, modules in (("tok_embeddings", [embedding] if embedding is not None else []), ("head", head)):
         if modules:
             params = [p for m in modules for p in m.parameters()]
