@@ -2,8 +2,9 @@
 
 from trainer import build_model
 from trainer.config import load_model_config
-from trainer.metrics import flops_per_token, format_record, peak_tflops
+from trainer.metrics import cuda_peak_tflops, flops_per_token, format_record, peak_tflops
 
+import pytest
 import torch
 
 
@@ -30,3 +31,13 @@ def test_console_line_is_readable():
     line = format_record({"step": 3, "loss": 2.5, "grad_norm": 1.25, "lr": 3e-4, "tokens_per_s": 12345.6,
                           "mfu": 0.123, "mem_gib": 0.5, "elapsed_s": 4.2})
     assert line == "step     3 | loss 2.5000 | grad_norm 1.250 | lr 3.00e-04 | 12,346 tok/s | mfu 12.3% | mem 0.50 GiB | 4.2s"
+
+
+def test_cuda_peaks_go_by_the_exact_device_name():
+    assert cuda_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert cuda_peak_tflops("NVIDIA H100 NVL") == 835.0
+    assert cuda_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert cuda_peak_tflops("NVIDIA L40") == 181.0  # not the L4's figure
+    assert cuda_peak_tflops("NVIDIA L4") == 121.0
+    with pytest.warns(UserWarning, match="no peak FLOP/s known for the device 'NVIDIA L20'"):
+        assert cuda_peak_tflops("NVIDIA L20") is None

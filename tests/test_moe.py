@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from helpers import spawn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer import build_model
 from trainer.models.moe import MoE, _expert_swiglu_loop, expert_swiglu
@@ -51,6 +52,53 @@ def test_capacity_drops_the_overflow_and_counts_it():
     assert routed.tolist() == [4, 4, 0, 0] and dropped.item() == 4
     # Experts 0 and 1 take the first two tokens; the last two go nowhere.
     assert out[0, 2:].abs().max() == 0 and out[0, :2].abs().min() > 0
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts what makes a GPU wait for the host: reading a value (`item`, `tolist`) and the ops
+    whose output size depends on the data (nonzero, boolean masks, bincount, repeat_interleave
+    without `output_size`). On the CPU nothing waits, so the calls themselves are counted."""
+
+    SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::bincount",
+               "aten::unique_consecutive", "aten::_unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        bool_index = name == "aten::index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        sized_later = name == "aten::repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3
+        if name in self.SYNCING or bool_index or sized_later:
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        original = torch.Tensor.tolist
+        self._restore = original
+
+        def tolist(tensor):
+            self.seen.append("tolist")
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._restore
+        return super().__exit__(*exc)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_an_moe_layer_never_waits_for_the_host(capacity_factor):
+    layer, x = skewed_layer(capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01)
+    x.requires_grad_()
+    with HostSyncs() as syncs:
+        layer(x).square().sum().backward()
+    assert syncs.seen == []
+    assert x.grad.abs().max() > 0
 
 
 def test_top_k_weights_are_a_softmax_over_the_chosen_logits():
@@ -112,8 +160,11 @@ def _ep_matches_local(rank, ep, case):
     parallelize_moe(layer, dims)
 
     x = xs[rank].clone().requires_grad_()
-    out = layer(x)
-    out.backward(grads[rank])
+    with HostSyncs() as syncs:
+        out = layer(x)
+        out.backward(grads[rank])
+    # The all-to-all's split sizes, once; nothing else waits for the host.
+    assert syncs.seen == ["tolist"], syncs.seen
 
     # The local layer on each rank's tokens: this rank's output and input gradient, and the expert
     # gradients averaged over the ranks, as data parallel averages every gradient.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -11,20 +12,32 @@ import torch.distributed as dist
 
 from trainer.models.moe import MoE
 
-# Dense bf16 peak per device in TFLOP/s, by a substring of torch.cuda.get_device_name().
+# Dense bf16 tensor-core peak in TFLOP/s, by the exact name torch.cuda.get_device_name() reports
+# (the product sheets' figures without sparsity). A name not here gets no guess: a near match
+# (an L40 is not an L4, an H100 NVL is not an SXM part) would give a wrong MFU.
 CUDA_PEAK_TFLOPS = {
-    "B200": 2250.0,
-    "H200": 989.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "A10G": 70.0,
-    "RTX 4090": 165.0,
-    "V100": 125.0,
+    "NVIDIA B200": 2250.0,
+    "NVIDIA GB200": 2500.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA GH200 480GB": 989.0,
+    "NVIDIA GH200 144G HBM3e": 989.0,
+    "NVIDIA H100 80GB HBM3": 989.0,  # SXM5
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H800": 989.0,
+    "NVIDIA H800 PCIe": 756.0,
+    "NVIDIA H20": 148.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A800-SXM4-80GB": 312.0,
+    "NVIDIA A800 80GB PCIe": 312.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA L40": 181.0,
+    "NVIDIA L4": 121.0,
+    "NVIDIA GeForce RTX 4090": 165.0,
 }
 
 
@@ -105,15 +118,23 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, sec
 
 
 def peak_tflops(device: torch.device, setting) -> float | None:
-    """Peak TFLOP/s of one device: the user's number, a timed matmul ("auto"), the CUDA table, or None."""
+    """Peak TFLOP/s of one device: the user's number, a timed matmul ("auto" on the CPU), the CUDA
+    table, or None (with a warning for a CUDA device the table does not name)."""
     if isinstance(setting, (int, float)):
         return float(setting)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((peak for key, peak in CUDA_PEAK_TFLOPS.items() if key in name), None)
+        return cuda_peak_tflops(torch.cuda.get_device_name(device))
     if setting == "auto":
         return measure_cpu_tflops()
     return None
+
+
+def cuda_peak_tflops(name: str) -> float | None:
+    peak = CUDA_PEAK_TFLOPS.get(name.strip())
+    if peak is None:
+        warnings.warn(f"no peak FLOP/s known for the device {name!r}: mfu is null; set metrics.peak_tflops "
+                      "to its dense bf16 TFLOP/s to have it", stacklevel=2)
+    return peak
 
 
 class MetricsLogger:

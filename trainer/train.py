@@ -30,6 +30,7 @@ from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel import PARALLELIZE
 from trainer.parallel.context_parallel import shard_batch
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.expert_parallel import sum_grads_over_tp
 from trainer.parallel.pipeline import (
     build_schedule,
     forward_only,
@@ -144,7 +145,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     train_batches = Prefetcher(partial(microbatches, loader))
 
     logger = MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config)
-    peak = peak_tflops(device, job.metrics.peak_tflops)
+    peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None  # only rank 0 logs mfu
     flops = flops_per_token(job.model, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device) if job.model.n_experts else None
@@ -158,6 +159,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     last_step = start_step
     for step in range(start_step + 1, t.steps + 1):
         loss = step_fn(train_batches(step - 1))
+        sum_grads_over_tp(parts, dims)
         if moe_stats is not None:
             moe_stats.collect(parts, t.grad_accum_steps * dims.pp_microbatches)
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)

@@ -40,8 +40,11 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
                   w3: torch.Tensor) -> torch.Tensor:
     """Each expert's SwiGLU on its contiguous slice of x, as grouped matmuls (one kernel for all
     experts). torch's grouped matmul takes fp32 on CPU and bf16 on CUDA, but no empty input in
-    backward (torch 2.13); other cases loop over the experts, one matmul per expert and weight."""
-    if len(x) == 0 or (x.dtype != torch.bfloat16 and x.device.type != "cpu"):
+    backward (torch 2.13). Other dtypes on CUDA loop over the experts, one matmul per expert and
+    weight (their split sizes come from the host: a sync)."""
+    if len(x) == 0:  # no tokens (an expert-parallel rank nobody routed to): zero gradients
+        return (F.silu(x @ w1[0].T) * (x @ w3[0].T)) @ w2[0].T
+    if x.dtype != torch.bfloat16 and x.device.type != "cpu":
         return _expert_swiglu_loop(x, counts, w1, w2, w3)
     offsets = counts.cumsum(0).to(torch.int32)
 
@@ -104,30 +107,44 @@ class MoE(nn.Module):
         -> (output, slots routed to each expert, slots each expert ran). Runs eagerly under
         torch.compile: how many tokens each expert gets (and, with expert parallel, how many each
         rank sends) changes every step, and compiled code would recompile for each new count.
+        Device ops only (no host sync): on a GPU the next layer's work is queued without waiting.
         """
         n_tokens, n_experts = len(x), self.router.out_features
         # Slots: (token, choice) pairs, grouped by expert.
         slots = chosen.flatten()
         order = slots.argsort(stable=True)
-        counts = slots.bincount(minlength=n_experts)
-        routed = counts
-        if self.capacity_factor is not None:
-            order, counts = _drop_overflow(order, counts, self.capacity(n_tokens, n_experts))
-        token = order // self.top_k
-        y = self.experts(x[token], counts) * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add(0, token, y), routed, counts
+        routed = torch.zeros(n_experts, dtype=torch.long, device=x.device).scatter_add_(0, slots, torch.ones_like(slots))
+        slot_weights = weights.flatten()[order]
+        if self.capacity_factor is None:
+            token, counts, ran = order // self.top_k, routed, routed
+        else:
+            capacity = self.capacity(n_tokens, n_experts)
+            token, slot_weights, counts = _fill_capacity(order // self.top_k, slots[order], slot_weights, routed,
+                                                         capacity)
+            ran = routed.clamp(max=capacity)
+        y = self.experts(x[token], counts) * slot_weights[:, None]
+        return torch.zeros_like(x).index_add(0, token, y), routed, ran
 
     def capacity(self, n_tokens: int, n_experts: int) -> int:
         """Slots each expert takes per forward when a capacity factor is set."""
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / n_experts)
 
 
-def _drop_overflow(order: torch.Tensor, counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keeps each expert's first `capacity` slots (in token order)."""
-    starts = counts.cumsum(0) - counts
-    expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-    keep = torch.arange(len(order), device=order.device) - starts[expert] < capacity
-    return order[keep], counts.clamp(max=capacity)
+def _fill_capacity(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, routed: torch.Tensor,
+                   capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert gets exactly `capacity` slots: its first ones in token order, then padding (token
+    0 at weight 0, which adds exactly nothing). Slots are given in expert order with their token,
+    expert and weight; returns the (token, weight) of every expert's `capacity` slots and the counts.
+    Shapes depend only on the capacity, so nothing waits for the routing's counts."""
+    n_experts = len(routed)
+    starts = routed.cumsum(0) - routed
+    rank_in_expert = torch.arange(len(token), device=token.device) - starts[expert]
+    # Slots over the capacity go to one extra place past the end, cut off below.
+    place = torch.where(rank_in_expert < capacity, expert * capacity + rank_in_expert, n_experts * capacity)
+    filled_token = token.new_zeros(n_experts * capacity + 1).scatter_(0, place, token)
+    filled_weight = weight.new_zeros(n_experts * capacity + 1).scatter(0, place, weight)
+    counts = torch.full((n_experts,), capacity, dtype=torch.long, device=token.device)
+    return filled_token[:-1], filled_weight[:-1], counts
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -9,7 +9,8 @@ dropless), run the local experts on the received tokens regrouped by expert, and
 back the same way. Backward runs the two all-to-alls in reverse.
 
 With tensor parallel, each tp rank routes its own slice of the sequence (sequence parallel)
-through the router and the experts, replicated over tp; their gradients are summed over tp.
+through the router and the experts, replicated over tp; their gradients are summed over tp once
+per optimizer step, after FSDP's reduction (`sum_grads_over_tp`), so in its reduce dtype.
 
 Expert weights are DTensors split on the expert dimension over the ep mesh. FSDP shards them
 further over the data-parallel ranks outside the ep group and averages their gradients over those
@@ -35,24 +36,19 @@ from trainer.parallel.dims import ParallelDims
 def parallelize_moe(model: nn.Module, dims: ParallelDims) -> None:
     """Expert parallel over `ep`, and tensor parallel for the MoE layers: each tp rank routes its
     own slice of the sequence (sequence parallel) through router and experts replicated over tp,
-    whose gradients are summed over the tp ranks. No-op for a dense model."""
-    layers = moe_layers(model)
-    if not layers:
-        return
-    tp_group = dims.view("tp").get_group() if dims.tp_enabled else None
-    for layer in layers:
+    whose gradients `sum_grads_over_tp` sums over the tp ranks. No-op for a dense model."""
+    for layer in moe_layers(model):
         if dims.view("dp_cp_tp").size() > 1:
             layer.batch_counts = partial(_all_reduce_sum, group=dims.view("dp_cp_tp").get_group())
         if dims.tp_enabled:
             _distribute(layer.router, dims.view("tp"), [Replicate()])
-            layer.router.forward = partial(_router_forward, layer.router, tp_group)
+            layer.router.forward = partial(_router_forward, layer.router)
         if dims.ep_enabled:
             _distribute(layer.experts, dims.expert_mesh, [Shard(0), Replicate()])
-            layer.experts.forward = partial(_expert_parallel_forward, layer.experts, dims.view("ep").get_group(),
-                                            tp_group)
+            layer.experts.forward = partial(_expert_parallel_forward, layer.experts, dims.view("ep").get_group())
         elif dims.tp_enabled:
             _distribute(layer.experts, dims.view("tp"), [Replicate()])
-            layer.experts.forward = partial(_local_forward, layer.experts, tp_group)
+            layer.experts.forward = partial(_local_forward, layer.experts)
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, placements: list) -> None:
@@ -66,53 +62,63 @@ def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _router_forward(router: nn.Linear, tp_group, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, _ReduceGrad.apply(router.weight.to_local(), 1.0, tp_group))
+def _router_forward(router: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, router.weight.to_local())
 
 
-def _local_forward(experts: nn.Module, tp_group, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return expert_swiglu(x, counts, *_local_weights(experts, 1.0, tp_group))
+def _local_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return expert_swiglu(x, counts, *(w.to_local() for w in (experts.w1, experts.w2, experts.w3)))
 
 
-def _local_weights(experts: nn.Module, grad_scale: float, tp_group) -> list[torch.Tensor]:
-    return [_ReduceGrad.apply(w.to_local(), grad_scale, tp_group) for w in (experts.w1, experts.w2, experts.w3)]
+def sum_grads_over_tp(parts: list[nn.Module], dims: ParallelDims) -> None:
+    """Sums over the tp ranks the gradients of the MoE weights replicated over tp (each tp rank
+    routed its own tokens through them): one all-reduce a step, after the last microbatch's
+    backward and FSDP's reduction, on the reduced (reduce dtype) shards."""
+    if not dims.tp_enabled:
+        return
+    grads = [p.grad.to_local() for part in parts for layer in moe_layers(part)
+             for p in (*layer.router.parameters(), *layer.experts.parameters()) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=dims.view("tp").get_group())
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
 
 
-def _expert_parallel_forward(experts: nn.Module, group, tp_group, x: torch.Tensor,
-                             counts: torch.Tensor) -> torch.Tensor:
+def _expert_parallel_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [tokens, dim] sorted by (global) expert, counts [n_experts] -> the experts' outputs, same order."""
     ep = dist.get_world_size(group)
     # An expert's gradient sums the ep group's tokens; FSDP then averages over the ranks outside
     # the group. Dividing by ep here makes that the average over every data-parallel rank.
-    w1, w2, w3 = _local_weights(experts, 1 / ep, tp_group)
+    w1, w2, w3 = (_ScaleGrad.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3))
     local_experts = w1.shape[0]
     # received[src, e]: tokens this rank gets from rank src for its local expert e.
     sent = counts.view(ep, local_experts)
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=group)
-    send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+    # The one host transfer of the layer: all_to_all_single takes its split sizes as Python ints.
+    send_splits, recv_splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()
     tokens = _AllToAll.apply(x, recv_splits, send_splits, group)
     # Arrived grouped by source rank, then expert; the experts want them grouped by expert.
-    expert_of = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep), received.flatten())
+    expert_of = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep), received.flatten(),
+                                        output_size=len(tokens))
     order = expert_of.argsort(stable=True)
     out = expert_swiglu(tokens[order], received.sum(0), w1, w2, w3)[order.argsort()]
     return _AllToAll.apply(out, send_splits, recv_splits, group)
 
 
-class _ReduceGrad(torch.autograd.Function):
-    """Identity forward; backward scales the gradient and sums it over `group` (None: no sum)."""
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward scales the gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float, group) -> torch.Tensor:
-        ctx.scale, ctx.group = scale, group
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad * ctx.scale
-        if ctx.group is not None:
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None, None
+        return grad * ctx.scale, None
 
 
 class _AllToAll(torch.autograd.Function):
