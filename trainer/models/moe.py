@@ -36,22 +36,48 @@ class GroupedExperts(nn.Module):
         return expert_swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
+# Rows per expert group at which CUDA's bf16 grouped GEMM wants each group to start (16 bytes);
+# the CPU kernel takes any offsets, and padding would only cost there.
+GROUP_ALIGN = {"cuda": 8}
+
+
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor) -> torch.Tensor:
+                  w3: torch.Tensor, align: int | None = None) -> torch.Tensor:
     """Each expert's SwiGLU on its contiguous slice of x, as grouped matmuls (one kernel for all
-    experts). torch's grouped matmul takes fp32 on CPU and bf16 on CUDA, but no empty input in
-    backward (torch 2.13). Other dtypes on CUDA loop over the experts, one matmul per expert and
-    weight (their split sizes come from the host: a sync)."""
+    experts), each group starting at a multiple of `align` rows (default: per device, GROUP_ALIGN).
+    torch's grouped matmul takes fp32 on CPU and bf16 on CUDA, but no empty input in backward
+    (torch 2.13). Other dtypes on CUDA loop over the experts, one matmul per expert and weight
+    (their split sizes come from the host: a sync)."""
     if len(x) == 0:  # no tokens (an expert-parallel rank nobody routed to): zero gradients
         return (F.silu(x @ w1[0].T) * (x @ w3[0].T)) @ w2[0].T
     if x.dtype != torch.bfloat16 and x.device.type != "cpu":
         return _expert_swiglu_loop(x, counts, w1, w2, w3)
+    align = GROUP_ALIGN.get(x.device.type, 1) if align is None else align
+    rows = None
+    if align > 1:
+        x, counts, rows = _align_groups(x, counts, align)
     offsets = counts.cumsum(0).to(torch.int32)
 
     def matmul(a, w):  # a's slice for expert e times w[e].T
         return F.grouped_mm(a, w.transpose(1, 2), offs=offsets)
 
-    return matmul(F.silu(matmul(x, w1)) * matmul(x, w3), w2)
+    out = matmul(F.silu(matmul(x, w1)) * matmul(x, w3), w2)
+    return out if rows is None else out[rows]
+
+
+def _align_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's rows moved so that each expert's group starts at a multiple of `align`, zero rows between
+    -> (padded x, the padded groups' sizes, the row each row of x went to). The padded length is a
+    bound known without reading the counts (len(x) + n_experts * (align - 1)); the last group takes
+    what is left, so every row belongs to a group. Zero rows add nothing to any gradient."""
+    n_experts = len(counts)
+    size = len(x) + n_experts * (align - 1)
+    sizes = (counts + align - 1) // align * align
+    sizes[-1] += size - sizes.sum()
+    starts = sizes.cumsum(0) - sizes
+    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=len(x))
+    rows = starts[expert] + torch.arange(len(x), device=x.device) - (counts.cumsum(0) - counts)[expert]
+    return x.new_zeros(size, x.shape[1]).index_copy(0, rows, x), sizes, rows
 
 
 def _expert_swiglu_loop(x, counts, w1, w2, w3) -> torch.Tensor:
