@@ -1,0 +1,223 @@
+"""The checks to run first when a CUDA GPU is lent: each kernel path against its reference, the MoE
+layer without host syncs, bf16 training runs with compile and selective checkpointing, and
+checkpoints saved and restored through the trainer.
+
+    python scripts/gpu_check.py          # on a machine with one CUDA GPU: every check (minutes)
+    python scripts/gpu_check.py --cpu    # what a CPU can run of them, at tiny sizes (CI runs this)
+
+One line per check, PASS / FAIL / SKIP with its figures; exit status 1 if any failed. Multi-rank
+NCCL paths need several GPUs and are not checked here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+# Per device, the fused SDPA kernels the models may get.
+SDPA_BACKENDS = {
+    "cpu": [SDPBackend.FLASH_ATTENTION],
+    "cuda": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the fp64 reference
+MFU_BAR = 0.45  # llama3_1b in bf16 on one H100
+
+
+def attention_inputs(device, dtype, seq=256, heads=8, kv_heads=2, head_dim=64):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, heads, seq, head_dim), (2, kv_heads, seq, head_dim), (2, kv_heads, seq, head_dim)]
+    return [torch.randn(s, generator=g).to(device, dtype).requires_grad_() for s in shapes]
+
+
+def reference_attention(q, k, v, causal: bool, mask=None):
+    """fp64 math attention (grouped-query heads repeated): the output and the input gradients of out.sum()."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = scores.softmax(-1) @ v.repeat_interleave(groups, 1)
+    return out, torch.autograd.grad(out.sum(), (q, k, v))
+
+
+def max_error(result, reference) -> float:
+    """The largest difference over the output and the gradients, each relative to its tensor's largest value."""
+    out, grads = result
+    ref_out, ref_grads = reference
+    return max(((a.double() - b).abs().max() / b.abs().max()).item()
+               for a, b in zip((out, *grads), (ref_out, *ref_grads)))
+
+
+def check_sdpa_kernels(device, args) -> tuple[str, str]:
+    """Every fused SDPA kernel of the device, fp32 and bf16, causal and not, grouped-query heads."""
+    failed, figures = [], []
+    for backend in SDPA_BACKENDS[device.type]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for causal in (True, False):
+                q, k, v = attention_inputs(device, dtype)
+                case = f"{backend.name.lower()} {str(dtype)[6:]} {'causal' if causal else 'full'}"
+                try:
+                    with sdpa_kernel([backend]):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                        grads = torch.autograd.grad(out.sum(), (q, k, v))
+                except RuntimeError as e:  # this kernel does not take the case: say so, not a failure
+                    figures.append(f"{case}: unsupported ({str(e).splitlines()[0][:60]})")
+                    continue
+                error = max_error((out, grads), reference_attention(q, k, v, causal))
+                figures.append(f"{case}: {error:.1e}")
+                if error > TOLERANCE[dtype]:
+                    failed.append(case)
+    return ("FAIL" if failed else "PASS"), "; ".join(figures)
+
+
+def check_ring_blocks(device, args) -> tuple[str, str]:
+    """The ring's per-block kernel (output, log-sum-exp, backward) against the reference."""
+    from trainer.parallel.context_parallel import _block_backward, _block_forward
+
+    figures, failed = [], False
+    for causal in (True, False):
+        q, k, v = (x.detach() for x in attention_inputs(device, torch.float32, seq=128))
+        out, lse = _block_forward(q, k, v, causal)
+        grads = _block_backward(torch.ones_like(out), q, k, v, out.to(q.dtype), lse, causal)
+        error = max_error((out, grads), reference_attention(q, k, v, causal))
+        figures.append(f"{'causal' if causal else 'full'} {error:.1e}")
+        failed |= error > TOLERANCE[torch.float32]
+    return ("FAIL" if failed else "PASS"), "; ".join(figures)
+
+
+def check_moe_layer(device, args) -> tuple[str, str]:
+    """The MoE layer's grouped GEMM against one matmul per expert, with host syncs as errors on CUDA."""
+    from trainer.models.moe import MoE, _expert_swiglu_loop
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    layer = MoE(dim=256, ffn_dim=512, n_experts=8, top_k=2)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    layer.to(device, dtype)
+    x = torch.randn(4, 128, 256, device=device, dtype=dtype, requires_grad=True)
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")  # any device-to-host wait raises
+    try:
+        out = layer(x)
+        out.float().square().sum().backward()
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    tokens = torch.randn(300, 256, device=device, dtype=dtype)
+    counts = torch.tensor([0, 50, 7, 100, 0, 43, 60, 40], device=device)
+    experts = layer.experts
+    grouped = experts(tokens, counts)
+    looped = _expert_swiglu_loop(tokens, counts, experts.w1, experts.w2, experts.w3)
+    error = (grouped.float() - looped.float()).abs().max().item() / looped.float().abs().max().item()
+    syncs = "no host sync (set_sync_debug_mode error)" if device.type == "cuda" else "syncs counted by tests/test_moe.py"
+    ok = error < TOLERANCE[dtype] and x.grad is not None and torch.isfinite(x.grad).all()
+    return ("PASS" if ok else "FAIL"), f"{str(dtype)[6:]}: grouped vs looped rel. {error:.1e}; {syncs}"
+
+
+def train(overrides: list[str], out: str) -> list[dict]:
+    """One trainer run in a process of its own; its metrics.jsonl records."""
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), f"output_dir={out}", "metrics.log_every=1",
+                             *overrides], cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "train.py failed")
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_figures(records: list[dict], warmup: int) -> str:
+    steady = records[warmup:] or records
+    mfu = statistics.median(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
+    return (f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s, "
+            f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, peak {max(r['mem_gib'] for r in steady):.1f} GiB, "
+            f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
+
+
+def training_overrides(device, model: list[str]) -> list[str]:
+    if device.type == "cuda":
+        return [*model, "device=cuda", "training.steps=20", "training.mixed_precision.param_dtype=bfloat16",
+                "training.compile=true", "training.activation_checkpoint=selective", "training.warmup_steps=5"]
+    return [*model, "+smoke=cpu", "training.steps=4", "training.seq_len=64", "training.global_batch_size=2",
+            "training.activation_checkpoint=selective"]
+
+
+def check_llama_run(device, args) -> tuple[str, str]:
+    model = (["model=llama3_1b", "training.seq_len=4096", "training.global_batch_size=4"] if device.type == "cuda"
+             else ["model=llama_debug"])
+    with tempfile.TemporaryDirectory() as out:
+        records = train(training_overrides(device, model), out)
+    figures = run_figures(records, warmup=5)
+    if device.type != "cuda":
+        return ("PASS" if records[-1]["loss"] < records[0]["loss"] else "FAIL"), figures
+    mfu = statistics.median(r["mfu"] for r in records[5:]) if records[-1]["mfu"] is not None else 0.0
+    return ("PASS" if mfu >= MFU_BAR else "FAIL"), f"{figures} (bar: MFU >= {100 * MFU_BAR:.0f}%)"
+
+
+def check_mixtral_run(device, args) -> tuple[str, str]:
+    model = ["model=mixtral_debug"]
+    if device.type == "cuda":  # enlarged: 8 experts of a 1B-class block
+        model += ["model.dim=1024", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=2048",
+                  "model.n_layers=8", "training.seq_len=4096", "training.global_batch_size=4"]
+    with tempfile.TemporaryDirectory() as out:
+        records = train(training_overrides(device, model), out)
+    ok = all(r["loss"] == r["loss"] for r in records) and records[-1]["loss"] < records[0]["loss"]
+    return ("PASS" if ok else "FAIL"), run_figures(records, warmup=5)
+
+
+def check_checkpoint_resume(device, args) -> tuple[str, str]:
+    """Async saves at steps 2 and 4; the step-4 one removed, a second run restores step 2 (the DCP
+    load onto the device) and must log the first run's steps 3 and 4 exactly."""
+    overrides = ["model=llama_debug", "+smoke=cpu", f"device={device.type}", "training.steps=4",
+                 "training.seq_len=64", "training.global_batch_size=2", "training.mixed_precision.param_dtype=float32",
+                 "checkpoint.enabled=true", "checkpoint.async=true", "checkpoint.interval=2"]
+    with tempfile.TemporaryDirectory() as out:
+        first = train(overrides, out)
+        shutil.rmtree(Path(out) / "checkpoints" / "step_4")
+        resumed = train(overrides, out)[len(first):]  # metrics.jsonl is appended to
+    losses = [r["loss"] for r in first[2:]], [r["loss"] for r in resumed]
+    ok = losses[0] == losses[1] and [r["step"] for r in resumed] == [3, 4]
+    return ("PASS" if ok else "FAIL"), f"steps 3-4: first run {losses[0]}, resumed from step 2 {losses[1]}"
+
+
+CHECKS = [check_sdpa_kernels, check_ring_blocks, check_moe_layer, check_llama_run, check_mixtral_run,
+          check_checkpoint_resume]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="run the CPU-runnable checks even with a GPU present")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | one GPU: NCCL paths not checked")
+    else:
+        print(f"no GPU: the CUDA checks are skipped; the CPU-runnable ones run at tiny sizes | torch {torch.__version__}")
+    failed = 0
+    for check in CHECKS:
+        try:
+            status, detail = check(device, args)
+        except Exception as e:  # a check that crashes is a failed check; the others still run
+            status, detail = "FAIL", f"{type(e).__name__}: {e}"
+        failed += status == "FAIL"
+        print(f"{status} {check.__name__[len('check_'):]}: {detail}", flush=True)
+    print(f"{len(CHECKS) - failed} of {len(CHECKS)} checks passed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
