@@ -127,7 +127,7 @@ class _RingAttention(torch.autograd.Function):
     """At ring step i this rank holds the K/V block of rank (rank - i) % cp. With the load-balanced
     layout each step's work is one of three shapes (see `_block_rows_cols`), none of them wasted
     on fully masked pairs. Partial outputs are merged in fp32. With document `starts` each block
-    also masks the keys before its queries' documents (the exact math kernel, which takes a mask)."""
+    also masks the keys before its queries' documents."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, starts):
@@ -223,8 +223,8 @@ def _block_forward(q, k, v, causal: bool, mask=None) -> tuple[torch.Tensor, torc
     """Attention of q [b, heads, rows, d] over one K/V block [b, kv_heads, cols, d] (causal only for
     a square block, or as `mask` [b, rows, cols] says): the output and its fp32 log-sum-exp
     [b, heads, rows]. A row that sees no key gets output 0 and log-sum-exp -inf (no weight in a merge)."""
-    if q.device.type in FUSED_DEVICES and mask is None:
-        return _cpu_flash_forward(q, k, v, causal)
+    if q.device.type in FUSED_DEVICES:
+        return _cpu_flash_forward(q, k, v, causal, mask)
     scores = _scores(_group_heads(q, k), k, causal, mask)
     lse = scores.logsumexp(-1)
     out = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp() @ v.float()[:, :, None]
@@ -233,8 +233,8 @@ def _block_forward(q, k, v, causal: bool, mask=None) -> tuple[torch.Tensor, torc
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, mask=None):
     """dq, dk, dv of one block from the final output and log-sum-exp of the whole attention."""
-    if q.device.type in FUSED_DEVICES and mask is None:
-        return _cpu_flash_backward(dout, q, k, v, out, lse, causal)
+    if q.device.type in FUSED_DEVICES:
+        return _cpu_flash_backward(dout, q, k, v, out, lse, causal, mask)
     qg, dout, out, lse = (_group_heads(x, k).float() for x in (q, dout, out, lse))
     k, v = k.float(), v.float()
     probs = (_scores(qg, k, causal, mask) - lse[..., None]).exp()
@@ -255,17 +255,29 @@ def _scores(qg, k, causal: bool, mask=None) -> torch.Tensor:
     return scores
 
 
-def _cpu_flash_forward(q, k, v, causal: bool):
+def _cpu_flash_forward(q, k, v, causal: bool, mask=None):
     # torch's fused attention returns the log-sum-exp that merging ring blocks needs only through
     # its private per-device ops; the public scaled_dot_product_attention hides it. This CPU op
-    # takes grouped-query K/V as they are and is ~20x faster than the math above.
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    # takes grouped-query K/V as they are, and a mask, and is ~20x faster than the math above.
+    if mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype))  # causal too: skips the upper half
+    # The kernel gives a row that sees no key of the block a finite log-sum-exp: make it no weight.
+    blind = ~mask.any(-1)[:, None]
+    return out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal: bool):
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal: bool, mask=None):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out, lse, 0.0, causal
+        dout.contiguous(), q, k, v, out, lse, 0.0, causal,
+        attn_mask=None if mask is None else _additive(mask, q.dtype),
     )
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [batch, rows, cols] boolean mask as the kernel takes it: 0 where seen, -inf elsewhere, one head."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))[:, None]
 
 
 def _pass_on(x: torch.Tensor, group):
