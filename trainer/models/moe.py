@@ -76,7 +76,7 @@ def _align_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[to
     sizes[-1] += size - sizes.sum()
     starts = sizes.cumsum(0) - sizes
     expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=len(x))
-    rows = starts[expert] + torch.arange(len(x), device=x.device) - (counts.cumsum(0) - counts)[expert]
+    rows = starts[expert] + _index_in_group(expert, counts)
     return x.new_zeros(size, x.shape[1]).index_copy(0, rows, x), sizes, rows
 
 
@@ -163,14 +163,19 @@ def _fill_capacity(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tens
     expert and weight; returns the (token, weight) of every expert's `capacity` slots and the counts.
     Shapes depend only on the capacity, so nothing waits for the routing's counts."""
     n_experts = len(routed)
-    starts = routed.cumsum(0) - routed
-    rank_in_expert = torch.arange(len(token), device=token.device) - starts[expert]
+    rank_in_expert = _index_in_group(expert, routed)
     # Slots over the capacity go to one extra place past the end, cut off below.
     place = torch.where(rank_in_expert < capacity, expert * capacity + rank_in_expert, n_experts * capacity)
     filled_token = token.new_zeros(n_experts * capacity + 1).scatter_(0, place, token)
     filled_weight = weight.new_zeros(n_experts * capacity + 1).scatter(0, place, weight)
     counts = torch.full((n_experts,), capacity, dtype=torch.long, device=token.device)
     return filled_token[:-1], filled_weight[:-1], counts
+
+
+def _index_in_group(expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """For rows sorted by expert (`expert[i]` the expert of row i, `counts[e]` rows each), each
+    row's index within its expert's group."""
+    return torch.arange(len(expert), device=expert.device) - (counts.cumsum(0) - counts)[expert]
 
 
 class _AttachAuxLoss(torch.autograd.Function):
