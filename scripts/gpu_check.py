@@ -85,19 +85,46 @@ def check_sdpa_kernels(device, args) -> tuple[str, str]:
     return ("FAIL" if failed else "PASS"), "; ".join(figures)
 
 
-def check_ring_blocks(device, args) -> tuple[str, str]:
-    """The ring's per-block kernel (output, log-sum-exp, backward) against the reference."""
-    from trainer.parallel.context_parallel import _block_backward, _block_forward
+def check_attention_kernels(device, args) -> tuple[str, str]:
+    """Each kernel trainer.models.attention picks on this device, and its math reference, as the
+    differentiable attention (a block kernel's forward and its backward from the final log-sum-exp),
+    fp32 and bf16, grouped-query, causal and within documents; and a masked block's row that sees
+    no key gets no weight."""
+    from trainer.models import attention as kernels
 
-    figures, failed = [], False
-    for causal in (True, False):
-        q, k, v = (x.detach() for x in attention_inputs(device, torch.float32, seq=128))
-        out, lse = _block_forward(q, k, v, causal)
-        grads = _block_backward(torch.ones_like(out), q, k, v, out.to(q.dtype), lse, causal)
-        error = max_error((out, grads), reference_attention(q, k, v, causal))
-        figures.append(f"{'causal' if causal else 'full'} {error:.1e}")
-        failed |= error > TOLERANCE[torch.float32]
-    return ("FAIL" if failed else "PASS"), "; ".join(figures)
+    seq = 256
+    index = torch.arange(seq, device=device)
+    # Documents of 37 tokens in the first sequence, of 61 in the second.
+    starts = torch.stack([index - index % 37, index - index % 61])
+    failed, figures, saved = [], [], kernels.KERNELS
+    names = sorted(set(saved.get(device.type, {}).values()) | {"math"})
+    try:
+        for name in names:
+            kernels.KERNELS = {device.type: {case: name for case in saved.get(device.type, {})}}
+            for dtype in (torch.float32, torch.bfloat16):
+                for documents in (False, True):
+                    q, k, v = attention_inputs(device, dtype, seq=seq)
+                    mask = kernels.Mask(index, index, starts) if documents else None
+                    out = kernels.attention(q, k, v, causal=not documents, mask=mask)
+                    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+                    dense = mask.dense()[:, None] if documents else None
+                    error = max_error((out, grads), reference_attention(q, k, v, not documents, dense))
+                    case = f"{name} {str(dtype)[6:]} {'documents' if documents else 'causal'}"
+                    figures.append(f"{case}: {error:.1e}")
+                    if not error <= TOLERANCE[dtype]:
+                        failed.append(case)
+        kernels.KERNELS = saved
+        # A ring block from an earlier document: the first query's document starts after every key.
+        q, k, v = (x.detach() for x in attention_inputs(device, torch.bfloat16, seq=64))
+        block_starts = torch.zeros(2, 64, dtype=torch.long, device=device)
+        block_starts[:, 0] = 200
+        out, lse = kernels.block_forward(q, k, v, False, kernels.Mask(index[:64] + 100, index[:64], block_starts))
+        blind_ok = bool((out[:, :, 0] == 0).all() and (lse[:, :, 0] == float("-inf")).all()
+                        and torch.isfinite(lse[:, :, 1:]).all())
+        figures.append(f"masked block, row seeing no key: {'no weight' if blind_ok else 'WRONG'}")
+    finally:
+        kernels.KERNELS = saved
+    return ("FAIL" if failed or not blind_ok else "PASS"), "; ".join(figures)
 
 
 def check_moe_layer(device, args) -> tuple[str, str]:
@@ -193,7 +220,7 @@ def check_checkpoint_resume(device, args) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), f"steps 3-4: first run {losses[0]}, resumed from step 2 {losses[1]}"
 
 
-CHECKS = [check_sdpa_kernels, check_ring_blocks, check_moe_layer, check_llama_run, check_mixtral_run,
+CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, check_llama_run, check_mixtral_run,
           check_checkpoint_resume]
 
 

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.data import document_positions
 from trainer.models.llama import CausalAttention
-from trainer.parallel import context_parallel
+from trainer.models import attention as attention_kernels
 from trainer.parallel.context_parallel import METHODS, ContextParallelAttention, shard_sequence
 
 
@@ -20,8 +20,8 @@ def test_shard_sequence_gives_each_rank_an_early_and_a_late_chunk():
 
 
 def _matches_full_attention(rank, cp, method, fused, documents=False):
-    if not fused:  # the exact math kernel that devices without a fused one use for ring blocks
-        context_parallel.FUSED_DEVICES = set()
+    if not fused:  # the exact math kernel, which devices without a fused one use
+        attention_kernels.KERNELS = {}
     attention = ContextParallelAttention(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), method, documents)
     full_attention = CausalAttention()
     full_attention.within_documents = documents

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.attention import Mask, attention
+
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [batch, seq] -> cos, sin [batch, seq, head_dim]."""
@@ -44,19 +46,10 @@ class CausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        gqa = q.shape[1] != k.shape[1]
         if not self.within_documents:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return attention(q, k, v, causal=True)
         index = torch.arange(q.shape[2], device=q.device)
-        mask = document_mask(index, index, index - positions)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
-
-
-def document_mask(queries: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """[batch, len(queries), len(keys)]: whether each query sees each key, from their indices in the
-    whole sequence and the index at which each query's document starts ([batch, len(queries)]):
-    keys from that start up to the query itself."""
-    return (keys[None, None, :] <= queries[None, :, None]) & (keys[None, None, :] >= starts[:, :, None])
+        return attention(q, k, v, causal=True, mask=Mask(index, index, index - positions))
 
 
 def attend_within_documents(model: nn.Module) -> None:

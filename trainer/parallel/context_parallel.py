@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.models.llama import document_mask
+from trainer.models.attention import Mask, attention, block_backward, block_forward
 
 METHODS = ("ring", "allgather")
 
@@ -94,11 +94,8 @@ def _allgather_attention(q, k, v, group, starts: torch.Tensor | None) -> torch.T
     # Back to global order: the first chunks of ranks 0..cp-1, then the second ones in reverse.
     half = seq // 2
     kv = torch.cat([*kv[..., :half, :].unbind(0), *kv[..., half:, :].flip(0).unbind(0)], dim=-2)
-    positions, keys = _global_positions(seq, rank, cp, q.device), torch.arange(seq * cp, device=q.device)
-    mask = positions[:, None] >= keys[None, :] if starts is None else document_mask(positions, keys, starts)[:, None]
-    return nn.functional.scaled_dot_product_attention(
-        q, kv[0], kv[1], attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    mask = Mask(_global_positions(seq, rank, cp, q.device), torch.arange(seq * cp, device=q.device), starts)
+    return attention(q, kv[0], kv[1], causal=False, mask=mask)
 
 
 class _AllGather(torch.autograd.Function):
@@ -139,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % cp
             rows, cols, causal = _block_rows_cols(rank, source, q.shape[2])
             mask = _block_mask(starts, rank, source, cp, q.shape[2], rows, cols)
-            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask)
+            block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask)
             # Copies: merged into in place, while selective checkpointing may keep the kernel's outputs.
             if out is None:
                 out, lse = block_out.to(torch.float32, copy=True), block_lse.clone()
@@ -168,7 +165,7 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, causal = _block_rows_cols(rank, source, q.shape[2])
             mask = _block_mask(ctx.starts, rank, source, cp, q.shape[2], rows, cols)
             # Each block's gradients follow from the final output and log-sum-exp (flash attention's rule).
-            block_dq, block_dk, block_dv = _block_backward(
+            block_dq, block_dk, block_dv = block_backward(
                 grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
                 lse[:, :, rows], causal, mask,
             )
@@ -196,14 +193,14 @@ def _block_rows_cols(rank: int, source: int, seq: int) -> tuple[slice, slice, bo
     return slice(half, None), slice(None), False
 
 
-def _block_mask(starts, rank: int, source: int, cp: int, seq: int, rows: slice, cols: slice):
-    """[batch, rows, cols]: which keys of `source`'s block each query row sees, given the global
-    index where each query's document starts (None: no document mask, the block's shape says all)."""
+def _block_mask(starts, rank: int, source: int, cp: int, seq: int, rows: slice, cols: slice) -> Mask | None:
+    """Which keys of `source`'s block each query row sees, given the global index where each query's
+    document starts (None: no document mask, the block's shape says all)."""
     if starts is None:
         return None
     queries = _global_positions(seq, rank, cp, starts.device)[rows]
     keys = _global_positions(seq, source, cp, starts.device)[cols]
-    return document_mask(queries, keys, starts[:, rows])
+    return Mask(queries, keys, starts[:, rows])
 
 
 def _merge(out, lse, block_out, block_lse, rows) -> None:
@@ -213,71 +210,6 @@ def _merge(out, lse, block_out, block_lse, rows) -> None:
     out[:, :, rows] = (out[:, :, rows] * (old_lse - new_lse).exp()[..., None]
                        + block_out * (block_lse - new_lse).exp()[..., None])
     lse[:, :, rows] = new_lse
-
-
-# Devices whose fused attention kernel is used for ring blocks; elsewhere the exact fp32 math below.
-FUSED_DEVICES = {"cpu"}
-
-
-def _block_forward(q, k, v, causal: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [b, heads, rows, d] over one K/V block [b, kv_heads, cols, d] (causal only for
-    a square block, or as `mask` [b, rows, cols] says): the output and its fp32 log-sum-exp
-    [b, heads, rows]. A row that sees no key gets output 0 and log-sum-exp -inf (no weight in a merge)."""
-    if q.device.type in FUSED_DEVICES:
-        return _cpu_flash_forward(q, k, v, causal, mask)
-    scores = _scores(_group_heads(q, k), k, causal, mask)
-    lse = scores.logsumexp(-1)
-    out = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp() @ v.float()[:, :, None]
-    return out.flatten(1, 2), lse.flatten(1, 2)
-
-
-def _block_backward(dout, q, k, v, out, lse, causal: bool, mask=None):
-    """dq, dk, dv of one block from the final output and log-sum-exp of the whole attention."""
-    if q.device.type in FUSED_DEVICES:
-        return _cpu_flash_backward(dout, q, k, v, out, lse, causal, mask)
-    qg, dout, out, lse = (_group_heads(x, k).float() for x in (q, dout, out, lse))
-    k, v = k.float(), v.float()
-    probs = (_scores(qg, k, causal, mask) - lse[..., None]).exp()
-    dv = (probs.transpose(-1, -2) @ dout).sum(2)
-    delta = (dout * out).sum(-1, keepdim=True)
-    dscores = probs * (dout @ v[:, :, None].transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
-    return (dscores @ k[:, :, None]).flatten(1, 2), (dscores.transpose(-1, -2) @ qg).sum(2), dv
-
-
-def _scores(qg, k, causal: bool, mask=None) -> torch.Tensor:
-    """Scaled fp32 scores of grouped queries [b, kv_heads, groups, rows, d] against k [b, kv_heads, cols, d]."""
-    scores = qg.float() @ k.float()[:, :, None].transpose(-1, -2) * qg.shape[-1] ** -0.5
-    if mask is not None:
-        return scores.masked_fill(~mask[:, None, None], float("-inf"))
-    if causal:
-        rows, cols = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=qg.device).triu(1), float("-inf"))
-    return scores
-
-
-def _cpu_flash_forward(q, k, v, causal: bool, mask=None):
-    # torch's fused attention returns the log-sum-exp that merging ring blocks needs only through
-    # its private per-device ops; the public scaled_dot_product_attention hides it. This CPU op
-    # takes grouped-query K/V as they are, and a mask, and is ~20x faster than the math above.
-    if mask is None:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype))  # causal too: skips the upper half
-    # The kernel gives a row that sees no key of the block a finite log-sum-exp: make it no weight.
-    blind = ~mask.any(-1)[:, None]
-    return out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
-
-
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal: bool, mask=None):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out, lse, 0.0, causal,
-        attn_mask=None if mask is None else _additive(mask, q.dtype),
-    )
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A [batch, rows, cols] boolean mask as the kernel takes it: 0 where seen, -inf elsewhere, one head."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))[:, None]
 
 
 def _pass_on(x: torch.Tensor, group):
@@ -298,7 +230,3 @@ def _pass_on(x: torch.Tensor, group):
 
     return wait
 
-
-def _group_heads(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """[b, heads, ...] -> [b, kv_heads, groups, ...]: query head h uses K/V head h // groups."""
-    return x.unflatten(1, (k.shape[1], -1))
