@@ -166,9 +166,13 @@ def train(overrides: list[str], out: str) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_figures(records: list[dict], warmup: int) -> str:
+def median_mfu(records: list[dict], warmup: int) -> float | None:
     steady = records[warmup:] or records
-    mfu = statistics.median(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
+    return statistics.median(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
+
+
+def run_figures(records: list[dict], warmup: int) -> str:
+    steady, mfu = records[warmup:] or records, median_mfu(records, warmup)
     return (f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s, "
             f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, peak {max(r['mem_gib'] for r in steady):.1f} GiB, "
             f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
@@ -190,7 +194,7 @@ def check_llama_run(device, args) -> tuple[str, str]:
     figures = run_figures(records, warmup=5)
     if device.type != "cuda":
         return ("PASS" if records[-1]["loss"] < records[0]["loss"] else "FAIL"), figures
-    mfu = statistics.median(r["mfu"] for r in records[5:]) if records[-1]["mfu"] is not None else 0.0
+    mfu = median_mfu(records, warmup=5) or 0.0
     return ("PASS" if mfu >= MFU_BAR else "FAIL"), f"{figures} (bar: MFU >= {100 * MFU_BAR:.0f}%)"
 
 

@@ -1,6 +1,7 @@
 """Hugging Face interop: random transformers models, built here with no download,
 imported and exported by scripts/convert_hf.py and load_weights, give the same logits."""
 
+import json
 import subprocess
 import sys
 
@@ -12,11 +13,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 from trainer import build_model, load_weights
 from trainer.checkpoint.state import saved_config
 from trainer.checkpoint.hf import config_from_hf
+from trainer.errors import ConfigError
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5)
+# Llama 3.1's rotary scaling with an original context of 32 tokens, shorter than the 80 of `tokens()`.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
 FAMILIES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(rope_theta=5000.0, **SHAPE)),
+    "llama3_rope": lambda: LlamaForCausalLM(LlamaConfig(rope_parameters=LLAMA3_ROPE, max_position_embeddings=128,
+                                                        **SHAPE)),
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SHAPE)),
 }
 
@@ -29,7 +36,7 @@ def hf_model(family: str, path):
 
 
 def tokens() -> torch.Tensor:
-    return torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(1))
 
 
 def convert(*args: str) -> None:
@@ -57,9 +64,28 @@ def test_import_and_export_keep_transformers_logits(family, tmp_path):
     convert("to-hf", tmp_path / "ours", tmp_path / "back")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(back) is type(hf)
+    # Both forms of the rotary settings, for transformers before 5 and after.
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"]
+    assert (written["rope_scaling"] is None) == (family != "llama3_rope")
     with torch.no_grad():
         torch.testing.assert_close(converted(tokens()), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(back(tokens()).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_scaling_read_from_either_form_and_refused_when_unknown(tmp_path):
+    hf_model("llama3_rope", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    scaling = config_from_hf(tmp_path).rope_scaling
+    assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_seq_len) == (
+        8.0, 1.0, 4.0, 32)
+    old = {k: v for k, v in config.items() if k != "rope_parameters"}  # as transformers 4 writes it
+    old |= {"rope_theta": 5000.0, "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert config_from_hf(tmp_path).rope_scaling == scaling and config_from_hf(tmp_path).rope_theta == 5000.0
+    (tmp_path / "config.json").write_text(json.dumps(old | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ConfigError, match="rope type yarn is not supported"):
+        config_from_hf(tmp_path)
 
 
 def test_rotary_layout_matters(tmp_path):

@@ -21,6 +21,20 @@ RECIPE_DIR = REPO_ROOT / "recipes"
 
 
 @dataclass
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face's rope_type llama3), for contexts beyond
+    the one pretrained: rotary wavelengths longer than original_max_seq_len / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_seq_len / high_freq_factor are kept, and
+    the ones between are blended."""
+
+    type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass
 class ModelConfig:
     family: str = "llama"
     name: str = "llama_debug"
@@ -32,6 +46,7 @@ class ModelConfig:
     ffn_dim: int = 768
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None  # null: plain rotary embeddings
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     # Mixture of experts (Mixtral); zero experts means a dense model.

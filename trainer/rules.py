@@ -65,6 +65,20 @@ def check_model(m) -> None:
             raise ConfigError(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
         if m.capacity_factor is not None and m.capacity_factor <= 0:
             raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
+    if m.rope_scaling is not None:
+        _check_rope_scaling(m.rope_scaling)
+
+
+def _check_rope_scaling(r) -> None:
+    if r.type != "llama3":
+        raise ConfigError(f"model.rope_scaling.type={r.type} is not supported; use llama3, or rope_scaling=null")
+    if r.factor < 1:
+        raise ConfigError(f"model.rope_scaling.factor={r.factor} must be >= 1")
+    if not 0 < r.low_freq_factor < r.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling: low_freq_factor={r.low_freq_factor} must be > 0 and below "
+                          f"high_freq_factor={r.high_freq_factor}")
+    if r.original_max_seq_len < 1:
+        raise ConfigError(f"model.rope_scaling.original_max_seq_len={r.original_max_seq_len} must be >= 1")
 
 
 def check_training(t, dims: ParallelDims) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RopeScaling
 from trainer.errors import ConfigError
 
 
@@ -32,9 +32,8 @@ def config_from_hf(path: Path) -> ModelConfig:
     family = {"llama": "llama", "mixtral": "mixtral"}.get(hf.get("model_type"))
     if family is None:
         raise ConfigError(f"{path}/config.json: model_type={hf.get('model_type')} is not supported (llama, mixtral)")
+    # transformers 5 writes rope_parameters; earlier versions rope_theta and rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"{path}/config.json: rope type {rope.get('rope_type', rope.get('type'))} is not supported")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     unsupported = {"attention_bias": True, "mlp_bias": True}
     for key, bad in unsupported.items():
@@ -47,12 +46,36 @@ def config_from_hf(path: Path) -> ModelConfig:
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        max_seq_len=hf.get("max_position_embeddings", 2048), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+        rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048), tie_embeddings=bool(hf.get("tie_word_embeddings")),
     )
     if family == "mixtral":
         cfg.n_experts, cfg.top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
         cfg.aux_loss_coef = hf.get("router_aux_loss_coef", 0.0)
     return cfg
+
+
+def _rope_scaling_from_hf(rope: dict, path: Path) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"{path}/config.json: rope type {kind} is not supported (default, llama3)")
+    try:
+        return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                           high_freq_factor=float(rope["high_freq_factor"]),
+                           original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ConfigError(f"{path}/config.json: rope type llama3 needs {e.args[0]}") from None
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    """Hugging Face's rope_parameters (rope_scaling before transformers 5) for our model config."""
+    r = cfg.rope_scaling
+    if r is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_seq_len}
 
 
 def hf_config(cfg: ModelConfig):
@@ -63,12 +86,22 @@ def hf_config(cfg: ModelConfig):
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
         rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, hidden_act="silu",
+        rope_parameters=_rope_parameters(cfg), hidden_act="silu",
     )
     if cfg.family == "mixtral":
         return MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                              router_aux_loss_coef=cfg.aux_loss_coef, **common)
     return LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, mlp_bias=False, **common)
+
+
+def _write_rope_for_every_version(cfg: ModelConfig, config_json: Path) -> None:
+    """transformers 5 reads (and writes) only rope_parameters; earlier versions read rope_theta and
+    rope_scaling: write both forms, the same values."""
+    config = json.loads(config_json.read_text())
+    rope = _rope_parameters(cfg)
+    config["rope_theta"] = cfg.rope_theta
+    config["rope_scaling"] = None if cfg.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"}
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _layer_names(i: int, moe: bool) -> dict[str, str]:
@@ -140,4 +173,5 @@ def write_hf(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) -> N
     config = hf_config(cfg)
     config.architectures = ["MixtralForCausalLM" if cfg.family == "mixtral" else "LlamaForCausalLM"]
     config.save_pretrained(out)
+    _write_rope_for_every_version(cfg, out / "config.json")
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})

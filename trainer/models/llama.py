@@ -17,10 +17,24 @@ from torch import nn
 from trainer.models.attention import Mask, attention
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
+    """The rotary angular frequencies [head_dim / 2], with Llama 3.1's scaling if given (a
+    `RopeScaling`): low frequencies (long wavelengths) divided by its factor, high ones kept, a
+    smooth blend between."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return freqs
+    # Where each wavelength lies between the high- and the low-frequency bound: 1 at or below the
+    # first (kept), 0 at or above the second (divided by the factor).
+    wavelengths_per_context = scaling.original_max_seq_len * freqs / (2 * math.pi)
+    kept = ((wavelengths_per_context - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    return kept * freqs + (1 - kept) * freqs / scaling.factor
+
+
+def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [batch, seq] -> cos, sin [batch, seq, head_dim]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions[..., None].float() * inv_freq
+    angles = positions[..., None].float() * freqs
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -60,10 +74,10 @@ def attend_within_documents(model: nn.Module) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rope_theta: float):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rope_theta: float, rope_scaling=None):
         super().__init__()
         self.head_dim = dim // n_heads
-        self.rope_theta = rope_theta
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -78,7 +92,8 @@ class Attention(nn.Module):
         q = q.view(batch, seq, -1, self.head_dim)
         k = k.view(batch, seq, -1, self.head_dim)
         v = v.view(batch, seq, -1, self.head_dim)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
+        cos, sin = rope_cos_sin(positions, freqs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.sdpa(*(t.transpose(1, 2) for t in (q, k, v)), positions)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -97,10 +112,10 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, norm_eps: float, rope_theta: float,
-                 feed_forward: nn.Module):
+                 feed_forward: nn.Module, rope_scaling=None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta)
+        self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta, rope_scaling)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
 
@@ -118,7 +133,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, cfg.rope_theta,
-                                         self.make_feed_forward(cfg))
+                                         self.make_feed_forward(cfg), cfg.rope_scaling)
                 for i in range(cfg.n_layers)
             }
         )
