@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENV, REPO, failure_report, read_metrics, torchrun, torchrun_command, train_metrics
+from helpers import ENV, REPO, failure_report, read_metrics, spawn, torchrun, torchrun_command, train_metrics
 
 from trainer import build_model, load_weights
-from trainer.checkpoint import CheckpointError, SafeReader, verify
+from trainer.checkpoint import CheckpointError, SafeReader, files, verify
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset
 from trainer.train import cross_entropy
@@ -126,6 +126,22 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     assert by_step(read_metrics(out))[10]["loss"] == records[-1]["loss"]
     assert verify(folder / "step_10") is None  # saved again, whole
     assert not (folder / "step_12.tmp").exists()
+
+
+def _resume_with_a_stale_listing(rank, world, folder):
+    if rank == 1:  # this rank's filesystem has not seen the newest checkpoint yet
+        stale = files.checkpoint_steps(folder)[:-1]
+        files.checkpoint_steps = lambda _: stale
+    chosen = files.find_resume(folder, rank, world, print)
+    assert chosen == folder / "step_4", f"rank {rank} chose {chosen}"
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
+    for step in (2, 4):
+        (tmp_path / f"step_{step}.tmp").mkdir()
+        (tmp_path / f"step_{step}.tmp" / "shard.distcp").write_bytes(bytes(range(step)))
+        files.publish(tmp_path / f"step_{step}.tmp", tmp_path / f"step_{step}", step, 0, 1)
+    spawn(_resume_with_a_stale_listing, 2, tmp_path, timeout=60)
 
 
 def test_checkpoint_metadata_cannot_run_code(tmp_path):

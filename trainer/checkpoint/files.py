@@ -156,8 +156,17 @@ def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
 
 
 def find_resume(folder: Path, rank: int, world: int, log) -> Path | None:
-    """Collective: the newest complete, undamaged checkpoint in `folder` (skipping damaged ones)."""
-    for _, path in reversed(checkpoint_steps(folder)):
+    """Collective: the newest complete, undamaged checkpoint in `folder` (skipping damaged ones).
+
+    Rank 0's listing of the folder decides: on a shared filesystem that caches attributes (NFS,
+    Lustre) ranks restarted quickly can list different newest checkpoints, and would load different
+    steps, or hang verifying different ones."""
+    candidates = [str(path) for _, path in reversed(checkpoint_steps(folder))] if rank == 0 else None
+    if world > 1:
+        shared = [candidates]
+        dist.broadcast_object_list(shared, src=0)
+        candidates = shared[0]
+    for path in map(Path, candidates):
         problem = verify(path, rank, world)
         if problem is None:
             return path
