@@ -1,11 +1,14 @@
 """Converts between Hugging Face directories and this trainer's checkpoints.
 
     python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME]   # OUT: usable as checkpoint.initial
-    python scripts/convert_hf.py to-hf CKPT OUT [--model NAME]       # OUT: loads with AutoModelForCausalLM
+    python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--dtype bfloat16] [--max-shard-size 5GB]
 
 CKPT is any checkpoint of ours (a training checkpoint in any layout, a seed or a converted one).
 --model names one of configs/model/ to check the weights against (from-hf) or to use when CKPT
-holds no model.yaml (to-hf). Local directories only; nothing is downloaded.
+holds no model.yaml (to-hf). to-hf streams one tensor at a time into safetensors shards of at most
+--max-shard-size, in --dtype (bfloat16, as released checkpoints are), with transformers' index file
+when there are several; OUT loads with AutoModelForCausalLM. Local directories only; nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
 from trainer.checkpoint.files import MODEL_CONFIG  # noqa: E402
-from trainer.checkpoint.state import check_model, load_weights, save_weights, saved_config  # noqa: E402
+from trainer.checkpoint.hf import read_hf  # noqa: E402
+from trainer.checkpoint.hf_export import SAFETENSORS_DTYPES, export_hf  # noqa: E402
+from trainer.checkpoint.state import check_model, save_weights, saved_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.checkpoint.hf import read_hf, write_hf  # noqa: E402
-from trainer.models import build_model, materialize, model_config  # noqa: E402
+from trainer.models import model_config  # noqa: E402
+
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
 
 
 def from_hf(hf_dir: Path, out: Path, model: str | None) -> None:
@@ -33,15 +41,25 @@ def from_hf(hf_dir: Path, out: Path, model: str | None) -> None:
     print(f"wrote {cfg.family} model {cfg.name} ({sum(w.numel() for w in weights.values()) / 1e6:.2f}M values) to {out}")
 
 
-def to_hf(checkpoint: Path, out: Path, model: str | None) -> None:
+def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str) -> None:
     cfg = model_config(model) if model is not None else saved_config(checkpoint)
     if cfg is None:
         raise ConfigError(f"{checkpoint} has no {MODEL_CONFIG}; name the model with --model")
-    net = build_model(cfg, device="meta")
-    materialize(net, "cpu")
-    load_weights(net, checkpoint)
-    write_hf(cfg, net.state_dict(), out)
-    print(f"wrote {cfg.family} model {cfg.name} to {out}")
+    shards = export_hf(checkpoint, cfg, out, getattr(torch, dtype), shard_bytes(max_shard_size))
+    print(f"wrote {cfg.family} model {cfg.name} to {out} in {dtype}, {shards} shard{'s' if shards > 1 else ''}")
+
+
+def shard_bytes(size: str) -> int:
+    """"5GB", "500MB", "1000000" -> bytes (decimal units, as transformers counts them)."""
+    text = size.strip().upper()
+    unit = next((u for u in UNITS if text.endswith(u)), "")
+    try:
+        value = float(text[:len(text) - len(unit)]) * UNITS.get(unit, 1)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"--max-shard-size={size} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+    return int(value)
 
 
 def main(argv: list[str]) -> None:
@@ -50,9 +68,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("source", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", help="a model config name (configs/model/NAME.yaml)")
+    parser.add_argument("--dtype", default="bfloat16", choices=[str(d)[6:] for d in SAFETENSORS_DTYPES],
+                        help="to-hf: the dtype written (default bfloat16)")
+    parser.add_argument("--max-shard-size", default="5GB", help="to-hf: the largest shard file (default 5GB)")
     args = parser.parse_args(argv)
     try:
-        (from_hf if args.direction == "from-hf" else to_hf)(args.source, args.out, args.model)
+        if args.direction == "from-hf":
+            from_hf(args.source, args.out, args.model)
+        else:
+            to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size)
     except ConfigError as e:
         sys.exit(f"error: {e}")
 

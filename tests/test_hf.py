@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from helpers import REPO, launch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from trainer import build_model, load_weights
@@ -61,7 +62,14 @@ def test_import_and_export_keep_transformers_logits(family, tmp_path):
     convert("from-hf", tmp_path / "hf", tmp_path / "ours")
     converted = build_model(saved_config(tmp_path / "ours"), seed=7)
     load_weights(converted, tmp_path / "ours")
-    convert("to-hf", tmp_path / "ours", tmp_path / "back")
+    # float32, in shards of at most 60 kB (the model is about 400 kB; the 77 kB embedding gets one
+    # of its own): transformers reads the index.
+    convert("to-hf", tmp_path / "ours", tmp_path / "back", "--dtype", "float32", "--max-shard-size", "60KB")
+    weight_map = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = {s: [name for name, file in weight_map.items() if file == s] for s in set(weight_map.values())}
+    assert len(shards) > 4
+    for shard, names in shards.items():
+        assert (tmp_path / "back" / shard).stat().st_size <= 60_000 + 4096 or len(names) == 1, shard
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(back) is type(hf)
     # Both forms of the rotary settings, for transformers before 5 and after.
@@ -71,6 +79,19 @@ def test_import_and_export_keep_transformers_logits(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(converted(tokens()), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(back(tokens()).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_export_defaults_to_bfloat16_in_one_file(tmp_path):
+    hf_model("mixtral", tmp_path / "hf")
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    convert("to-hf", tmp_path / "ours", tmp_path / "back")
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    written = load_file(tmp_path / "back" / "model.safetensors")
+    expected = {name: t.to(torch.bfloat16) for name, t in load_file(tmp_path / "hf" / "model.safetensors").items()}
+    assert written.keys() == expected.keys()
+    for name, tensor in written.items():
+        assert torch.equal(tensor, expected[name]), name
 
 
 def test_rotary_scaling_read_from_either_form_and_refused_when_unknown(tmp_path):

@@ -94,16 +94,6 @@ def hf_config(cfg: ModelConfig):
     return LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, mlp_bias=False, **common)
 
 
-def _write_rope_for_every_version(cfg: ModelConfig, config_json: Path) -> None:
-    """transformers 5 reads (and writes) only rope_parameters; earlier versions read rope_theta and
-    rope_scaling: write both forms, the same values."""
-    config = json.loads(config_json.read_text())
-    rope = _rope_parameters(cfg)
-    config["rope_theta"] = cfg.rope_theta
-    config["rope_scaling"] = None if cfg.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"}
-    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def _layer_names(i: int, moe: bool) -> dict[str, str]:
     """Our name -> Hugging Face name, for the tensors of layer i other than the experts."""
     ours, hf = f"layers.{i}.", f"model.layers.{i}."
@@ -160,18 +150,35 @@ def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, weights
 
 
-def write_hf(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) -> None:
-    """Writes full weights under our names as a Hugging Face directory that transformers loads."""
-    from safetensors.torch import save_file
-
-    tensors = {hf: weights[ours] for ours, hf in _names(cfg).items()}
+def hf_tensors(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
+    """Every tensor of the Hugging Face model, in its order: (its name, our name, and the expert's
+    index in our stacked tensor, or None)."""
+    entries = [(hf, ours, None) for ours, hf in _names(cfg).items()]
     for i in range(cfg.n_layers) if cfg.n_experts else ():
         for w in ("w1", "w2", "w3"):
-            stacked = weights[f"layers.{i}.feed_forward.experts.{w}"]
-            tensors |= dict(zip(_expert_names(cfg, i, w), stacked.unbind(0)))
-    out.mkdir(parents=True, exist_ok=True)
+            entries += [(hf, f"layers.{i}.feed_forward.experts.{w}", e) for e, hf in enumerate(_expert_names(cfg, i, w))]
+    return sorted(entries, key=lambda entry: _layer_order(entry[0]))
+
+
+def _layer_order(hf_name: str) -> tuple[int, str]:
+    """Embedding first, then the layers in number order, then the final norm and head."""
+    parts = hf_name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        return int(parts[2]), hf_name
+    return (-1 if "embed" in hf_name else 1 << 30), hf_name
+
+
+def write_hf_config(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> None:
+    """config.json for our model config, stating the weights' dtype, readable by transformers 4 and 5."""
     config = hf_config(cfg)
     config.architectures = ["MixtralForCausalLM" if cfg.family == "mixtral" else "LlamaForCausalLM"]
     config.save_pretrained(out)
-    _write_rope_for_every_version(cfg, out / "config.json")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    path = out / "config.json"
+    written = json.loads(path.read_text())
+    # transformers 5 reads (and writes) only rope_parameters and dtype; earlier versions read
+    # rope_theta, rope_scaling and torch_dtype: write both forms, the same values.
+    rope = _rope_parameters(cfg)
+    written["rope_theta"] = cfg.rope_theta
+    written["rope_scaling"] = None if cfg.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"}
+    written["dtype"] = written["torch_dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")

@@ -113,7 +113,7 @@ def _set_rng_state(state: torch.Tensor) -> None:
 
 
 @contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """DCP warns on every call made without a process group, which is how one-process tools use it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
@@ -122,7 +122,7 @@ def _quiet_single_process():
 
 def _dcp_load(state: dict, path: Path) -> None:
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
@@ -157,7 +157,7 @@ def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     OmegaConf.save(OmegaConf.structured(cfg), tmp / MODEL_CONFIG)
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
     if out.exists():
         out.rmdir()
