@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from trainer.checkpoint.files import MODEL_CONFIG  # noqa: E402
 from trainer.checkpoint.hf import read_hf  # noqa: E402
-from trainer.checkpoint.hf_export import SAFETENSORS_DTYPES, export_hf  # noqa: E402
+from trainer.checkpoint.hf_export import export_hf  # noqa: E402
 from trainer.checkpoint.state import check_model, save_weights, saved_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.models import model_config  # noqa: E402
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("source", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", help="a model config name (configs/model/NAME.yaml)")
-    parser.add_argument("--dtype", default="bfloat16", choices=[str(d)[6:] for d in SAFETENSORS_DTYPES],
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="to-hf: the dtype written (default bfloat16)")
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: the largest shard file (default 5GB)")
     args = parser.parse_args(argv)

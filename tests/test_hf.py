@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, launch
+from helpers import REPO, launch, spawn
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
@@ -94,6 +94,32 @@ def test_export_defaults_to_bfloat16_in_one_file(tmp_path):
         assert torch.equal(tensor, expected[name]), name
 
 
+def test_safetensors_blocks_read_without_a_memory_map(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from trainer.checkpoint import safetensors_io
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(7, 5, 3, generator=g), "b": torch.randn(9, generator=g).to(torch.bfloat16)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 40)  # rows with sliced columns: read in chunks of 2
+    file = safetensors_io.SafetensorsFile(tmp_path / "x.safetensors")
+    for box in [(slice(0, 7), slice(0, 5), slice(0, 3)), (slice(2, 6), slice(0, 5), slice(0, 3)),
+                (slice(1, 6), slice(2, 4), slice(0, 3)), (slice(0, 7), slice(0, 5), slice(1, 2)),
+                (slice(3, 3), slice(0, 5), slice(0, 3))]:
+        assert torch.equal(file.read("a", box), tensors["a"][box]), box
+    assert torch.equal(file.read("b", (slice(4, 9),)), tensors["b"][4:])
+
+
+def test_a_truncated_hugging_face_shard_is_a_config_error(tmp_path):
+    hf_model("llama", tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    model = build_model(config_from_hf(tmp_path))
+    with pytest.raises(ConfigError, match="model.safetensors is truncated: .* ends at byte"):
+        load_weights(model, tmp_path)
+
+
 def test_rotary_scaling_read_from_either_form_and_refused_when_unknown(tmp_path):
     hf_model("llama3_rope", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -123,13 +149,16 @@ def test_rotary_layout_matters(tmp_path):
         assert not torch.allclose(ours(tokens()), hf(tokens()).logits, atol=1e-3)
 
 
-def test_initial_weights_from_a_hugging_face_directory(tmp_path):
-    """checkpoint.initial=HF_DIR starts a sharded run from those weights (lr 0 keeps them, and
-    the final checkpoint holds them)."""
-    hf = hf_model("llama", tmp_path / "hf")
-    model = [f"model.{k}={v}" for k, v in dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
-                                                   ffn_dim=96, rope_theta=5000.0).items()]
-    result = launch(2, "+recipe=llama_tp2", "+smoke=cpu", *model, "training.steps=1", "training.lr=0",
+@pytest.mark.parametrize("family, recipe", [("llama", "llama_tp2"), ("mixtral", "mixtral_ep")])
+def test_initial_weights_from_a_hugging_face_directory(family, recipe, tmp_path):
+    """checkpoint.initial=HF_DIR starts a sharded run from those weights, each rank reading its
+    slices (tensor parallel; experts split over ep ranks): lr 0 keeps them, and the final
+    checkpoint holds them."""
+    hf = hf_model(family, tmp_path / "hf")
+    shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96)
+    shape |= dict(rope_theta=5000.0) if family == "llama" else dict(n_experts=4, top_k=2, rope_theta=1e6)
+    model = [f"model={family}_debug", *(f"model.{k}={v}" for k, v in shape.items())]
+    result = launch(2, f"+recipe={recipe}", "+smoke=cpu", *model, "training.steps=1", "training.lr=0",
                     "training.seq_len=32", f"checkpoint.initial={tmp_path / 'hf'}", "checkpoint.enabled=true",
                     output_dir=tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -138,3 +167,52 @@ def test_initial_weights_from_a_hugging_face_directory(tmp_path):
     load_weights(ours, tmp_path / "run" / "checkpoints" / "step_1")
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens()), hf(tokens()).logits, rtol=1e-5, atol=1e-5)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited from the parent
+    that forked it)."""
+    line = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def _load_by_slices(rank, world, path, expected_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.models import materialize
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(config_from_hf(path), device="meta")
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    materialize(model, "cpu")
+    load_weights(model, path)
+    peak_mib = peak_rss_mib()
+    expected = torch.load(expected_file)
+    with torch.no_grad():
+        torch.testing.assert_close(model(expected["tokens"]), expected["logits"], rtol=1e-5, atol=1e-5)
+    peaks = [None] * world
+    torch.distributed.all_gather_object(peaks, peak_mib)
+    model_mib = expected["bytes"] / 2**20
+    print(f"rank {rank}: peak RSS {peak_mib:.0f} MiB; all ranks {[round(p) for p in peaks]} MiB; model {model_mib:.0f} MiB")
+    assert max(peaks) < 0.75 * model_mib, f"peak RSS per rank {peaks} MiB, the model is {model_mib:.0f} MiB"
+
+
+def test_four_fsdp_ranks_read_only_their_slices_of_a_300m_model(tmp_path):
+    """checkpoint.initial=HF_DIR on 4 ranks: each rank's peak memory stays well under the model's
+    size (each reads its own slices), and the logits are transformers' own."""
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                         num_attention_heads=16, num_key_value_heads=8, rope_theta=500000.0)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="300MB")
+    tokens = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = {"tokens": tokens, "logits": hf(tokens).logits,
+                    "bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
+    torch.save(expected, tmp_path / "expected.pt")
+    del hf
+    spawn(_load_by_slices, 4, tmp_path / "hf", tmp_path / "expected.pt", timeout=300)

@@ -1,18 +1,13 @@
 """Export to a Hugging Face directory that streams: one of our tensors in memory at a time, read
 from the checkpoint (any layout) and written into size-capped safetensors shards, with the index
-file transformers reads when there is more than one.
-
-A safetensors file is an 8-byte little-endian header length, a JSON header giving each tensor's
-dtype, shape and byte range, then the raw bytes. The header is written first, from the shapes in
-the checkpoint's metadata, so the bytes can follow tensor by tensor (the safetensors package
-serialises only whole dictionaries of tensors held in memory).
+file transformers reads when there is more than one. Each shard's header is written first, from
+the shapes in the checkpoint's metadata, so the bytes can follow tensor by tensor.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 
 import torch
@@ -20,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint.files import CheckpointError, SafeReader, verify
 from trainer.checkpoint.hf import hf_tensors, write_hf_config
+from trainer.checkpoint.safetensors_io import encode_header
 from trainer.checkpoint.state import quiet_single_process
 from trainer.config import ModelConfig
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 INDEX = "model.safetensors.index.json"
 
 
@@ -61,7 +56,7 @@ def export_hf(checkpoint: Path, cfg: ModelConfig, out: Path, dtype: torch.dtype 
     for number, shard in enumerate(shards, 1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         with open(out / file, "wb") as f:
-            f.write(_header(shard, dtype))
+            f.write(encode_header([(hf_name, dtype, shape) for hf_name, _, _, shape in shard]))
             for hf_name, ours, expert, _ in shard:
                 if ours != held_name:  # an expert stack stays for its experts' turns
                     held = None
@@ -94,14 +89,3 @@ def _plan_shards(entries: list, itemsize: int, max_bytes: int) -> list[list]:
         shards[-1].append(entry)
         size += nbytes
     return shards
-
-
-def _header(shard: list, dtype: torch.dtype) -> bytes:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for hf_name, _, _, shape in shard:
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[hf_name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the tensors' bytes start 8-byte aligned
-    return struct.pack("<Q", len(text)) + text

@@ -26,10 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.checkpoint.files import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
-from trainer.checkpoint.hf import is_hf_dir, read_hf
+from trainer.checkpoint.hf import config_from_hf, is_hf_dir
+from trainer.checkpoint.hf_import import load_hf_slices
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
-from trainer.models import copy_full_weights, model_config
+from trainer.models import model_config
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -137,10 +138,8 @@ def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str 
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
     path = Path(path)
     if is_hf_dir(path):
-        saved, weights = read_hf(path)
-        check_model(parts[0].config, saved, f"{key}={path}")
-        for part in parts:
-            copy_full_weights(part, weights)
+        check_model(parts[0].config, config_from_hf(path), f"{key}={path}")
+        load_hf_slices(parts, path)
         return
     problem = verify(path, *rank_world())
     if problem is not None:

@@ -73,28 +73,16 @@ def init_weights(model: nn.Module, seed: int) -> None:
             generator = torch.Generator(device=full.device)
             generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full.normal_(0.0, std, generator=generator)
-        _copy_full(param, full)
+        copy_full(param, full)
 
 
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Sets a parameter (a plain tensor, or this rank's shard of a DTensor) from its full value."""
     local = param.to_local() if isinstance(param, DTensor) else param
     full = full.to(device=local.device, dtype=local.dtype)
     if isinstance(param, DTensor):
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     local.copy_(full)
-
-
-@torch.no_grad()
-def copy_full_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Sets every parameter of `model` (or of a pipeline stage of it) from full weights by name."""
-    for name, param in model.named_parameters():
-        if name not in weights:
-            raise ConfigError(f"the weights have no tensor {name}")
-        if tuple(weights[name].shape) != tuple(param.shape):
-            raise ConfigError(f"the weights' {name} has shape {tuple(weights[name].shape)}, "
-                              f"the model's {tuple(param.shape)}")
-        _copy_full(param, weights[name])
 
 
 def count_params(model: nn.Module) -> int:
