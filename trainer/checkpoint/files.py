@@ -87,17 +87,18 @@ def _sums(folder: Path, rank: int, world: int) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, _crc32(p)] for p in _files(folder)[rank::world]}
 
 
-def _gather(value, world: int) -> list:
+def _gather(value, world: int, group=None) -> list:
     if world == 1:
         return [value]
     out = [None] * world
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def publish(tmp: Path, final: Path, step: int, rank: int, world: int) -> None:
-    """Collective: checksums the files of a finished save, writes the manifest, renames tmp to final."""
-    sums = {k: v for part in _gather(_sums(tmp, rank, world), world) for k, v in part.items()}
+def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None) -> None:
+    """Collective (over `group`, default the world): checksums the files of a finished save, writes
+    the manifest, renames tmp to final."""
+    sums = {k: v for part in _gather(_sums(tmp, rank, world), world, group) for k, v in part.items()}
     if rank == 0:
         with open(tmp / MANIFEST, "w") as f:
             json.dump({"step": step, "files": sums}, f, indent=1)
@@ -111,7 +112,7 @@ def publish(tmp: Path, final: Path, step: int, rank: int, world: int) -> None:
         else:
             tmp.rename(final)
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:

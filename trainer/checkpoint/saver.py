@@ -6,13 +6,14 @@ from __future__ import annotations
 import shutil
 import signal
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainer.checkpoint.files import (
     MODEL_CONFIG,
@@ -67,15 +68,28 @@ class StopSignal:
 class Checkpointer:
     """Saves every `interval` steps and at the last into `folder` (synchronously, or overlapped
     with training), publishes each save once all ranks are done, keeps the newest `keep_last`,
-    and saves at once when any rank is asked to stop."""
+    and saves at once when any rank is asked to stop.
+
+    An async save holds training only while the state is copied to host buffers, allocated at the
+    first save and reused (pinned on CUDA); the write, the CRC32 pass and the manifest, and the
+    removal of old checkpoints happen on a background thread, over a gloo group of their own."""
 
     def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool, model_config: dict,
                  device: torch.device):
         self.folder, self.interval, self.keep_last, self.async_save = folder, interval, keep_last, async_save
         self.model_config, self.device = model_config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # Async saves run their collectives on a group of their own, apart from training's.
-        self.group = dist.new_group(backend="gloo") if async_save else None
+        # The stop flag is agreed on each step on the host: a gloo group (the default one if it is
+        # gloo), so that no step waits for the device.
+        self.host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.group = self.stager = self.background = None
+        if async_save:
+            # Async saves run their collectives on a group of their own, apart from training's.
+            self.group = dist.new_group(backend="gloo")
+            cuda = device.type == "cuda"
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                       use_async_staging=False, use_non_blocking_copy=cuda))
+            self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.pending: tuple[int, Future] | None = None
         self.started = self.blocked = 0.0  # when the last save began; how long it held up training
         self.stop = StopSignal()
@@ -85,18 +99,18 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
 
     def after_step(self, step: int, last_step: int, state_fn) -> bool:
-        """Collective, after each optimizer step: publishes a finished async save, saves when due
-        (or when any rank was signalled) with state_fn()'s state; returns whether to stop."""
-        flags = torch.tensor([self.stop.received is not None, self.busy()], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, busy = flags.tolist()
-        if self.pending is not None and not busy:
-            self.wait()
+        """Collective, after each optimizer step: saves when due (or when any rank was signalled)
+        with state_fn()'s state; returns whether to stop."""
+        flag = torch.tensor([self.stop.received is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
+        stop = bool(flag.item())
+        if self.pending is not None and self.pending[1].done():
+            self.wait()  # raises here what failed in the background
         if stop or step == last_step or step % self.interval == 0:
-            self.save(step, state_fn(), wait=bool(stop) or step == last_step)
+            self.save(step, state_fn(), wait=stop or step == last_step)
         if stop and self.rank == 0:
             print(f"checkpoint: stopped at step {step} on a signal; resume with checkpoint.resume=auto", flush=True)
-        return bool(stop)
+        return stop
 
     def _paths(self, step: int) -> tuple[Path, Path]:
         final = self.folder / f"step_{step}"
@@ -111,30 +125,29 @@ class Checkpointer:
             OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
         dist.barrier()
         if self.async_save and not wait:
-            # Copies the state to host memory, then writes it while training goes on; done once
-            # this rank's files (and, on rank 0, the metadata) are written.
-            self.pending = (step, dcp.async_save(state, checkpoint_id=tmp, process_group=self.group))
+            # Copies the state to the host buffers; the rest goes on in the background.
+            written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager)
             self.blocked = time.perf_counter() - self.started
+            self.pending = (step, self.background.submit(self._publish_when_written, step, written))
         else:
             dcp.save(state, checkpoint_id=tmp)
             self.blocked = None
             self._publish(step)
 
-    def busy(self) -> bool:
-        """Whether this rank's part of a pending save is still being written."""
-        return self.pending is not None and not self.pending[1].done()
+    def _publish_when_written(self, step: int, written: Future) -> None:
+        written.result()
+        self._publish(step, self.group)
 
     def wait(self) -> None:
-        """Collective: waits for a pending save and publishes it."""
+        """Waits for a pending save to be written and published."""
         if self.pending is not None:
             step, future = self.pending
-            future.result()
             self.pending = None
-            self._publish(step)
+            future.result()
 
-    def _publish(self, step: int) -> None:
+    def _publish(self, step: int, group=None) -> None:
         tmp, final = self._paths(step)
-        publish(tmp, final, step, self.rank, self.world)
+        publish(tmp, final, step, self.rank, self.world, group)
         if self.rank == 0:
             took = time.perf_counter() - self.started
             blocked = f"training held up {self.blocked:.2f}s" if self.blocked is not None else "synchronous"
@@ -145,5 +158,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
-        if self.group is not None:
+        if self.async_save:
+            self.background.shutdown()
+            self.stager.close()
             dist.destroy_process_group(self.group)
+        if self.host_group is not None:
+            dist.destroy_process_group(self.host_group)
