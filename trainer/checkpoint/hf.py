@@ -46,7 +46,8 @@ def config_from_hf(path: Path) -> ModelConfig:
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+        rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings")),
     )
     if family == "mixtral":
         cfg.n_experts, cfg.top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
