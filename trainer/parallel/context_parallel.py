@@ -9,8 +9,8 @@ way (`shard_sequence`); positions stay the global ones (or, with data.document_m
 position in its document, from which both methods also mask the keys before a query's document).
 
 Two attention methods (`parallel.cp_method`), both exact:
-- allgather: all-gather K and V, attend with the local queries under the global causal mask.
-  Simple, uses the fused SDPA kernel, but holds the whole sequence's K and V.
+- allgather: all-gather K and V; each local query chunk attends to the keys up to its end under
+  the global causal mask. Simple, but holds the whole sequence's K and V.
 - ring: K/V blocks travel around the ring while each rank attends to the block it holds; the
   partial outputs merge by their log-sum-exp. Backward passes the blocks around again with their
   dK/dV. K/V memory per rank stays O(seq/cp).
@@ -94,8 +94,15 @@ def _allgather_attention(q, k, v, group, starts: torch.Tensor | None) -> torch.T
     # Back to global order: the first chunks of ranks 0..cp-1, then the second ones in reverse.
     half = seq // 2
     kv = torch.cat([*kv[..., :half, :].unbind(0), *kv[..., half:, :].flip(0).unbind(0)], dim=-2)
-    mask = Mask(_global_positions(seq, rank, cp, q.device), torch.arange(seq * cp, device=q.device), starts)
-    return attention(q, kv[0], kv[1], causal=False, mask=mask)
+    positions, keys = _global_positions(seq, rank, cp, q.device), torch.arange(seq * cp, device=q.device)
+    outs = []
+    for chunk, rows in ((rank, slice(0, half)), (2 * cp - 1 - rank, slice(half, seq))):
+        # A query chunk sees no key after its own end: attend over that prefix only (half the work
+        # of attending over every key under the mask).
+        end = (chunk + 1) * half
+        mask = Mask(positions[rows], keys[:end], None if starts is None else starts[:, rows])
+        outs.append(attention(q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], causal=False, mask=mask))
+    return torch.cat(outs, dim=2)
 
 
 class _AllGather(torch.autograd.Function):
