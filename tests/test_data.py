@@ -27,7 +27,6 @@ from trainer.data import (
     _sentence,
     build_dataset,
     document_positions,
-    shuffled,
 )
 from trainer.errors import ConfigError
 from trainer.models.llama import attend_within_documents
@@ -81,18 +80,6 @@ def test_global_batch_does_not_depend_on_the_layout():
             for rank in (0, 1))
     assert not set(a[:, 0].tolist()) & set(b[:, 0].tolist())
     assert not torch.equal(global_batch(loader_for, 1, 1, 0), global_batch(loader_for, 1, 1, 1))
-
-
-def test_epoch_order_is_a_permutation_computed_index_by_index():
-    for n in (1, 2, 3, 30, 257, 1000, 4096):
-        order = [shuffled(i, n, seed=5) for i in range(n)]
-        assert sorted(order) == list(range(n)), n
-    order = [shuffled(i, 1000, seed=5) for i in range(1000)]
-    assert order != sorted(order) and order != [shuffled(i, 1000, seed=6) for i in range(1000)]
-    # Shuffled, not merely rotated: neighbours rarely stay neighbours.
-    assert sum(abs(a - b) == 1 for a, b in zip(order, order[1:])) < 20
-    # Ten billion windows: any index alone, at once.
-    assert 0 <= shuffled(9_876_543_210, 10**10, seed=1) < 10**10
 
 
 def test_resume_mid_epoch_with_another_data_parallel_size_continues_at_the_same_sample():

@@ -265,35 +265,11 @@ class Prefetcher:
         self._pool.shutdown(cancel_futures=True)
 
 
-def shuffled(index: int, n: int, seed: int) -> int:
-    """Element `index` of a seeded permutation of range(n), computed alone, so that no rank holds
-    an epoch's order (for 10T tokens of 2K windows, 40 GB): a 4-round Feistel network over the
-    smallest even number of bits that covers n, applied again while the result is n or more (it
-    is a permutation of the larger range, so this ends, after fewer than 4 rounds on average)."""
-    half = max(1, ((n - 1).bit_length() + 1) // 2)
-    mask = (1 << half) - 1
-    while True:
-        left, right = index >> half, index & mask
-        for round_ in range(4):
-            left, right = right, left ^ (_mix(right, seed, round_) & mask)
-        index = (left << half) | right
-        if index < n:
-            return index
-
-
-def _mix(value: int, seed: int, round_: int) -> int:
-    """A 64-bit integer hash (splitmix64's finaliser) of the value, the seed and the round."""
-    x = (value + 0x9E3779B97F4A7C15 * (seed * 4 + round_ + 1)) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
 class BatchLoader:
     """This rank's share of each global batch, as grad_accum_steps microbatches.
 
     The global batch of step s is positions [s*G, (s+1)*G) of a seeded permutation of the dataset
-    (a new one each epoch, computed index by index: `shuffled`), cut into grad_accum * pp_microbatches contiguous blocks: the job's
+    (a new one each epoch), cut into grad_accum * pp_microbatches contiguous blocks: the job's
     microbatches, in order. Each block is split evenly over the data-parallel ranks. So a
     microbatch of the job holds the same sequences in every layout, which keeps per-microbatch
     statistics (the MoE load-balancing loss) independent of the layout too. A pipeline schedule
@@ -308,12 +284,16 @@ class BatchLoader:
         self.share = global_batch // self.blocks // dp_size  # sequences of one block on one rank
         self.micro_batch = global_batch // dp_size // grad_accum
         self.offset = 0  # the stream position of step 0's batch; a resumed run sets it
+        self._epoch, self._order = -1, None
 
     def _position(self, position: int) -> int:
         if getattr(self.dataset, "sequential", False):
             return position  # a stream is read in its own order
         epoch, offset = divmod(position, len(self.dataset))
-        return shuffled(offset, len(self.dataset), self.seed + epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(len(self.dataset), generator=generator)
+        return int(self._order[offset])
 
     def position(self, steps: int) -> int:
         """Sequences of the stream consumed after `steps` steps: where the next step reads."""
