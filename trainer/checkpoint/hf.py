@@ -142,22 +142,29 @@ def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raise ConfigError(f"{path} has no tensor {name}: not a {cfg.family} checkpoint of this shape")
         return tensors[name]
 
-    weights = {ours: take(hf) for ours, hf in _names(cfg).items()}
-    for i in range(cfg.n_layers) if cfg.n_experts else ():
-        for w in ("w1", "w2", "w3"):
-            weights[f"layers.{i}.feed_forward.experts.{w}"] = torch.stack([take(n) for n in _expert_names(cfg, i, w)])
+    weights = {ours: take(hf) if isinstance(hf, str) else torch.stack([take(name) for name in hf])
+               for ours, hf in hf_sources(cfg).items()}
     if cfg.tie_embeddings:
         weights["output.weight"] = weights["tok_embeddings.weight"]
     return cfg, weights
 
 
+def hf_sources(cfg: ModelConfig) -> dict[str, str | list[str]]:
+    """Our weight name -> the Hugging Face tensor it is, or for our stacked experts the list of
+    per-expert tensors in expert order."""
+    sources: dict[str, str | list[str]] = {ours: hf for ours, hf in _names(cfg).items()}
+    for i in range(cfg.n_layers) if cfg.n_experts else ():
+        for w in ("w1", "w2", "w3"):
+            sources[f"layers.{i}.feed_forward.experts.{w}"] = _expert_names(cfg, i, w)
+    return sources
+
+
 def hf_tensors(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """Every tensor of the Hugging Face model, in its order: (its name, our name, and the expert's
     index in our stacked tensor, or None)."""
-    entries = [(hf, ours, None) for ours, hf in _names(cfg).items()]
-    for i in range(cfg.n_layers) if cfg.n_experts else ():
-        for w in ("w1", "w2", "w3"):
-            entries += [(hf, f"layers.{i}.feed_forward.experts.{w}", e) for e, hf in enumerate(_expert_names(cfg, i, w))]
+    entries = []
+    for ours, hf in hf_sources(cfg).items():
+        entries += [(hf, ours, None)] if isinstance(hf, str) else [(name, ours, e) for e, name in enumerate(hf)]
     return sorted(entries, key=lambda entry: _layer_order(entry[0]))
 
 

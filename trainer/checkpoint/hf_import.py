@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint.hf import config_from_hf, hf_tensors
+from trainer.checkpoint.hf import config_from_hf, hf_sources
 from trainer.checkpoint.safetensors_io import SafetensorsFile
 from trainer.errors import ConfigError
 from trainer.models import copy_full
@@ -21,11 +21,7 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
     """Sets every parameter of the model parts (plain, or sharded as DTensors in any layout) from
     the Hugging Face directory `path`, reading this rank's slices only."""
     cfg = config_from_hf(path)
-    sources: dict[str, list[tuple[str, int | None]]] = {}
-    for hf_name, ours, expert in hf_tensors(cfg):
-        sources.setdefault(ours, []).append((hf_name, expert))
-    for entries in sources.values():
-        entries.sort(key=lambda entry: entry[1] or 0)  # experts in index order
+    sources = hf_sources(cfg)
     if cfg.tie_embeddings:
         sources["output.weight"] = sources["tok_embeddings.weight"]
     files = _tensor_files(path)
@@ -50,13 +46,13 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
             local.copy_(_read_box(read, sources[name], param, box))
 
 
-def _read_box(read, sources: list[tuple[str, int | None]], param, box: tuple[slice, ...]) -> torch.Tensor:
+def _read_box(read, source: str | list[str], param, box: tuple[slice, ...]) -> torch.Tensor:
     """The region `box` (global coordinates) of our parameter `param`, from its Hugging Face
     tensor, or from one tensor per expert for our stacked experts."""
-    if sources[0][1] is None:
-        return read(sources[0][0], list(param.shape), box)
+    if isinstance(source, str):
+        return read(source, list(param.shape), box)
     experts = range(box[0].start, box[0].stop)
-    return torch.stack([read(sources[e][0], list(param.shape[1:]), box[1:]) for e in experts])
+    return torch.stack([read(source[e], list(param.shape[1:]), box[1:]) for e in experts])
 
 
 def _whole(param: torch.Tensor) -> tuple[slice, ...]:

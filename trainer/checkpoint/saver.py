@@ -77,7 +77,7 @@ class Checkpointer:
     def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool, model_config: dict,
                  device: torch.device):
         self.folder, self.interval, self.keep_last, self.async_save = folder, interval, keep_last, async_save
-        self.model_config, self.device = model_config, device
+        self.model_config = model_config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # The stop flag is agreed on each step on the host: a gloo group (the default one if it is
         # gloo), so that no step waits for the device.
