@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -26,7 +25,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.data import documents  # noqa: E402
+from trainer.data.cache import TokenWriter  # noqa: E402
+from trainer.data.files import documents  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.tokenizer import CHUNK_CHARS, build_tokenizer, encode_pieces, pieces  # noqa: E402
 
@@ -52,18 +52,14 @@ def _tokenize(group: list, spec: str) -> tuple[np.ndarray, int]:
 
 def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: str, workers: int) -> dict:
     tok = build_tokenizer(tokenizer)
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     groups = _groups(pieces(documents(source, pattern, text_field)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    started, tokens = time.perf_counter(), 0
-    with Pool(workers) as pool, open(tmp, "wb") as f, tqdm(unit="char", unit_scale=True, desc="tokenizing") as bar:
+    started = time.perf_counter()
+    with Pool(workers) as pool, TokenWriter(out, tok) as writer, \
+            tqdm(unit="char", unit_scale=True, desc="tokenizing") as bar:
 
         def write(result) -> None:
-            nonlocal tokens
             ids, chars = result.get()
-            f.write(ids.astype(dtype).tobytes())
-            tokens += len(ids)
+            writer.write(ids)
             bar.update(chars)
 
         # Groups are written in order (the stream is the same with any number of workers), and only
@@ -75,11 +71,9 @@ def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: st
                 write(pending.popleft())
         while pending:
             write(pending.popleft())
+        meta = writer.finish(tokenizer=tokenizer, source=source, path=pattern, text_field=text_field)
     seconds = time.perf_counter() - started
-    meta = {"dtype": np.dtype(dtype).name, "tokens": tokens, "vocab_size": tok.vocab_size, "tokenizer": tokenizer,
-            "eos_id": tok.eos_id, "bos_id": tok.bos_id, "source": source, "path": pattern}
-    Path(f"{out}.json").write_text(json.dumps(meta, indent=1))
-    tmp.rename(out)
+    tokens = meta["tokens"]
     print(f"{tokens:,} tokens in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s ({workers} workers) -> {out}")
     return meta
 

@@ -119,6 +119,18 @@ class OptimConfig:
 
 
 @dataclass
+class MixSource:
+    """One source of a weighted mixture: read like data.source/path/... (the tokenizer is data's)."""
+
+    source: str = "text"
+    path: Optional[str] = None
+    text_field: str = "text"
+    subset: Optional[str] = None
+    split: str = "train"
+    weight: float = 1.0  # relative: the shares are the weights over their sum
+
+
+@dataclass
 class DataConfig:
     source: str = "embedded"  # embedded | text | json | parquet | hub | binary
     path: Optional[str] = None  # a glob of files; a Hub dataset's name (hub); a token file (binary)
@@ -127,6 +139,11 @@ class DataConfig:
     subset: Optional[str] = None  # a Hub dataset's configuration name
     split: str = "train"  # the Hub dataset's split to train on
     document_mask: bool = False  # attention stays within each document of a packed window
+    # Where text/json/parquet sources are kept once tokenized; null: $TRAINER_CACHE/tokens, else
+    # ~/.cache/trainer/tokens. Shared by the ranks (a shared filesystem: one rank tokenizes).
+    cache_dir: Optional[str] = None
+    # A weighted mixture instead of data.source/path: [{source: text, path: 'web/*.txt', weight: 0.7}, ...]
+    mix: List[MixSource] = field(default_factory=list)
 
 
 @dataclass

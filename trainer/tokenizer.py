@@ -9,6 +9,7 @@ do), so a window of the stream may hold the end of one document and the start of
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos_id = 0
     bos_id = None
+    fingerprint = "bytes"  # what identifies the ids it gives (token caches are keyed by it)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -62,6 +64,8 @@ class HFTokenizer:
         self.bos_id = self.tokenizer.token_to_id(bos) if bos and config.get("add_bos_token", True) else None
         if self.bos_id == self.eos_id:
             self.bos_id = None
+        content = file.read_bytes() + f"|bos {self.bos_id}|eos {self.eos_id}".encode()
+        self.fingerprint = hashlib.sha256(content).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

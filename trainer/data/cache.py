@@ -1,0 +1,101 @@
+"""Token files and the token cache: text/json/parquet sources are tokenized once, into the format
+scripts/prepare_data.py writes, and every rank memory-maps the result.
+
+A cache file is named by what made it: the files (path, size, modification time), the column read
+and the tokenizer. A lock file lets one process on a shared filesystem tokenize while the others
+wait for its file, which appears whole (written aside, then renamed) or not at all.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.files import documents, read_token_file, text_paths
+from trainer.errors import ConfigError
+from trainer.tokenizer import build_tokenizer, encode_documents
+
+CACHE_FORMAT = 1  # bumped when the tokens written for the same input would change
+
+
+class TokenWriter:
+    """Writes a token file: ids appended in order (uint16 when the vocabulary fits, else uint32)
+    to a file aside; `finish` puts it and its description (OUT.json) in place by renames, so a
+    reader sees the whole file or none. Leaving the block without `finish` removes the partial file."""
+
+    def __init__(self, out: Path, tokenizer):
+        self.out, self.tokenizer, self.tokens = Path(out), tokenizer, 0
+        self.dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.out.with_name(f"{self.out.name}.tmp{os.getpid()}")
+
+    def __enter__(self) -> TokenWriter:
+        self.file = open(self.tmp, "wb")
+        return self
+
+    def write(self, ids: np.ndarray) -> None:
+        self.file.write(ids.astype(self.dtype).tobytes())
+        self.tokens += len(ids)
+
+    def finish(self, **description) -> dict:
+        self.file.close()
+        tok = self.tokenizer
+        meta = {"dtype": np.dtype(self.dtype).name, "tokens": self.tokens, "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id, "bos_id": tok.bos_id, "tokenizer_hash": tok.fingerprint, **description}
+        meta_tmp = self.tmp.with_name(self.tmp.name + ".json")
+        meta_tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(self.tmp, self.out)
+        os.replace(meta_tmp, f"{self.out}.json")
+        return meta
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def cache_folder(cache_dir: str | None) -> Path:
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("TRAINER_CACHE") or Path.home() / ".cache" / "trainer") / "tokens"
+
+
+def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec: str,
+                  cache_dir: str | None) -> tuple[np.ndarray, dict]:
+    """The token stream of local text/json/parquet files, memory-mapped from the cache (tokenized
+    into it first by whichever process gets there first)."""
+    tokenizer = build_tokenizer(tokenizer_spec)
+    files = [[str(Path(p).resolve()), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in text_paths(path, source)]
+    made_of = {"format": CACHE_FORMAT, "source": source, "text_field": text_field,
+               "tokenizer": tokenizer.fingerprint, "files": files}
+    key = hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:24]
+    folder = cache_folder(cache_dir)
+    out = folder / f"{key}.bin"
+    if not Path(f"{out}.json").is_file():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = open(folder / f"{key}.lock", "w")
+        except OSError as e:
+            raise ConfigError(f"data.cache_dir={folder} cannot hold the token cache: {e}") from None
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process tokenizes; the others wait for its file
+            if not Path(f"{out}.json").is_file():
+                print(f"data: tokenizing {len(files)} file(s) of data.path={path} once, into {out}", flush=True)
+                with TokenWriter(out, tokenizer) as writer:
+                    for ids in encode_documents(documents(source, path, text_field), tokenizer):
+                        writer.write(ids)
+                    writer.finish(tokenizer=tokenizer_spec, source=source, path=path, text_field=text_field)
+    tokens, meta = read_token_file(out, f"the token cache {out} (of data.path={path})")
+    check_tokenizer(meta, tokenizer, f"the token cache {out} (of data.path={path})", "delete it")
+    return tokens, meta
+
+
+def check_tokenizer(meta: dict, tokenizer, what: str, remedy: str) -> None:
+    """A config error when a token file was written with another tokenizer than `tokenizer`."""
+    if meta.get("tokenizer_hash", tokenizer.fingerprint) != tokenizer.fingerprint:
+        raise ConfigError(f"{what} was tokenized with {meta.get('tokenizer')}, not with this data.tokenizer "
+                          f"(its ids would stand for other tokens): {remedy}")
