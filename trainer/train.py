@@ -148,7 +148,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None  # only rank 0 logs mfu
     flops = flops_per_token(job.model, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
-    moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device) if job.model.n_experts else None
+    moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device, dims.ep) if job.model.n_experts else None
     # On the CPU, live tensors are counted through the first steps: the model's, then all the steps make.
     tensor_memory = TensorMemory() if device.type == "cpu" else None
     if tensor_memory is not None:

@@ -103,8 +103,9 @@ def _advice(term: str) -> str:
     return "raise parallel.tp or parallel.pp, or shard over more ranks"
 
 
-def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
-    """The plan of `job` laid out as `dims` on `device`s (run `check_job` first)."""
+def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: float = 1.0) -> Plan:
+    """The plan of `job` laid out as `dims` on `device`s (run `check_job` first). `expert_load`: the
+    slots the experts of the planned rank take, over an even share (a measured expert_load_ep)."""
     m, t, p = job.model, job.training, job.parallel
     name = t.mixed_precision.param_dtype
     dtype = DTYPES[name] if name != "auto" else (torch.float32 if device.name == "cpu" else torch.bfloat16)
@@ -114,7 +115,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device) -> Plan:
         tokens=per_microbatch * t.seq_len // dims.cp, dim=m.dim, ffn_dim=m.ffn_dim,
         n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
         sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k,
+        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k, expert_load=expert_load,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
     # Full checkpointing applies to every Nth block: the share of blocks it recomputes.

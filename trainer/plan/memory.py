@@ -34,6 +34,7 @@ class Shapes:
     act_bytes: int  # bytes per element of activations (the compute dtype)
     n_experts: int = 0
     top_k: int = 0
+    expert_load: float = 1.0  # the slots this rank's experts take, over an even share
 
 
 @dataclass
@@ -69,9 +70,9 @@ def layer_activation_bytes(s: Shapes) -> float:
         elements += 2 * kv * s.cp  # the gathered keys and values
     if s.n_experts:
         # Router and dropless experts: each token's top_k copies, their SwiGLU and their outputs
-        # (the expert load assumed even).
+        # (the expert load assumed even unless given).
         slots = t * s.top_k // (tp if s.sequence_parallel and tp > 1 else 1)
-        elements += slots * (2 * s.dim + 4 * s.ffn_dim)
+        elements += slots * s.expert_load * (2 * s.dim + 4 * s.ffn_dim)
         fp32 = stream * s.n_experts * 3 + slots * 2  # router logits and probabilities, routing weights
     else:
         elements += 4 * t * s.ffn_dim // tp  # gate, its SiLU, up, and their product
@@ -91,7 +92,7 @@ def selective_layer_bytes(s: Shapes) -> float:
     elements = stream * s.dim + t * s.dim // tp + 2 * kv + t * s.dim // tp + into_stream
     if s.n_experts:  # the router's logits; each token's top_k copies through the experts' three matmuls
         slots = t * s.top_k // (tp if s.sequence_parallel and tp > 1 else 1)
-        elements += stream * s.n_experts + slots * (2 * s.ffn_dim + s.dim)
+        elements += stream * s.n_experts + slots * s.expert_load * (2 * s.ffn_dim + s.dim)
     else:
         elements += 2 * t * s.ffn_dim // tp + into_stream
     return elements * s.act_bytes + t * s.n_heads // tp * FP32  # attention's log-sum-exp
