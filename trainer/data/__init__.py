@@ -4,7 +4,7 @@ mixture of these, packed into windows; and each rank's share of each global batc
 
 The loader is indexed by step, not iterated: the batch of step s depends only on the seed, the
 global batch size and s, so every layout sees the same global batch and resuming is free. A rank
-holds no corpus: token files are memory-mapped and the epoch's order is computed index by index.
+holds no corpus: token files are read window by window and the epoch's order is computed index by index.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Token files and the token cache: text/json/parquet sources are tokenized once, into the format
-scripts/prepare_data.py writes, and every rank memory-maps the result.
+scripts/prepare_data.py writes, which every rank reads window by window.
 
 A cache file is named by what made it: the files (path, size, modification time), the column read
 and the tokenizer. A lock file lets one process on a shared filesystem tokenize while the others
@@ -66,7 +66,7 @@ def cache_folder(cache_dir: str | None) -> Path:
 
 def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec: str,
                   cache_dir: str | None) -> tuple[np.ndarray, dict]:
-    """The token stream of local text/json/parquet files, memory-mapped from the cache (tokenized
+    """The token stream of local text/json/parquet files, read from the cache (tokenized
     into it first by whichever process gets there first)."""
     tokenizer = build_tokenizer(tokenizer_spec)
     files = [[str(Path(p).resolve()), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in text_paths(path, source)]

@@ -1,10 +1,12 @@
 """A user's files: the documents of text, json/jsonl and parquet files, and token files (written by
-scripts/prepare_data.py or the token cache), memory-mapped."""
+scripts/prepare_data.py or the token cache), read window by window."""
 
 from __future__ import annotations
 
 import glob
 import json
+import os
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -41,9 +43,33 @@ def row_texts(rows: Iterable[dict], field: str, what: str) -> Iterator[str]:
         yield row[field]
 
 
-def read_token_file(path: str | Path, what: str) -> tuple[np.ndarray, dict]:
-    """A token file (memory-mapped: pages are read as windows ask for them) and its description,
-    the .json beside it; a config error for a file shorter or longer than it says."""
+class TokenFile:
+    """A token file read a slice at a time (pread), never mapped whole: a rank's memory holds the
+    windows it asked for, whatever the file's size. (A memory map would count every page it
+    touched, and those the kernel maps around them, in each rank's resident memory.)"""
+
+    def __init__(self, path: str | Path, dtype: str, tokens: int):
+        self.dtype, self.size = np.dtype(dtype), tokens
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, step = key.indices(self.size)
+        if step != 1:
+            raise IndexError("a token file is read in contiguous slices")
+        count = max(0, stop - start) * self.dtype.itemsize
+        return np.frombuffer(os.pread(self.fd, count, start * self.dtype.itemsize), dtype=self.dtype)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self[:].astype(dtype) if dtype else self[:]
+
+
+def read_token_file(path: str | Path, what: str) -> tuple[TokenFile, dict]:
+    """A token file and its description, the .json beside it; a config error for a file shorter or
+    longer than it says."""
     meta_path = Path(f"{path}.json")
     if not Path(path).is_file() or not meta_path.is_file():
         raise ConfigError(f"{what} is not a token file with its .json beside it "
@@ -53,5 +79,4 @@ def read_token_file(path: str | Path, what: str) -> tuple[np.ndarray, dict]:
     if Path(path).stat().st_size != expected:
         raise ConfigError(f"{what} holds {Path(path).stat().st_size} bytes, not the {expected} its .json "
                           f"describes ({meta['tokens']} {meta['dtype']} tokens): truncated or replaced")
-    tokens = np.memmap(path, dtype=meta["dtype"], mode="r") if expected else np.zeros(0, dtype=meta["dtype"])
-    return tokens, meta
+    return TokenFile(path, meta["dtype"], meta["tokens"]), meta
