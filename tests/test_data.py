@@ -23,6 +23,7 @@ from trainer.data import (
     BatchLoader,
     ByteTokenizer,
     EmbeddedText,
+    Mixture,
     Prefetcher,
     _sentence,
     build_dataset,
@@ -55,8 +56,17 @@ def global_batch(loader_for, dp_size, grad_accum, step, pp_microbatches=1):
                       for rank in range(dp_size)])
 
 
-def test_global_batch_does_not_depend_on_the_layout():
-    data = EmbeddedText(seq_len=16, seed=0, size=40)
+# A plain source, and a weighted mixture (of three, small enough that each goes round its epochs).
+DATASETS = {
+    "embedded": lambda seq_len, size: EmbeddedText(seq_len=seq_len, seed=0, size=size),
+    "mixture": lambda seq_len, size: Mixture(
+        [EmbeddedText(seq_len, seed, size // k) for seed, k in ((0, 1), (1, 3), (2, 5))], [0.5, 0.3, 0.2], seed=4),
+}
+
+
+@pytest.mark.parametrize("kind", DATASETS)
+def test_global_batch_does_not_depend_on_the_layout(kind):
+    data = DATASETS[kind](16, 40)
 
     def loader_for(rank, dp_size, grad_accum, pp_microbatches=1):
         return BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size, grad_accum=grad_accum, seed=1,
@@ -82,10 +92,11 @@ def test_global_batch_does_not_depend_on_the_layout():
     assert not torch.equal(global_batch(loader_for, 1, 1, 0), global_batch(loader_for, 1, 1, 1))
 
 
-def test_resume_mid_epoch_with_another_data_parallel_size_continues_at_the_same_sample():
+@pytest.mark.parametrize("kind", DATASETS)
+def test_resume_mid_epoch_with_another_data_parallel_size_continues_at_the_same_sample(kind):
     """A run stopped after k steps saved its position (sequences consumed); a loader of any dp size
     that starts there reads the sequences the uninterrupted run would have."""
-    data = EmbeddedText(seq_len=8, seed=0, size=30)
+    data = DATASETS[kind](8, 30)
 
     def loader_for(rank, dp_size, grad_accum=1, pp_microbatches=1, offset=0):
         loader = BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size, grad_accum=grad_accum, seed=3,

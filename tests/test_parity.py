@@ -238,6 +238,34 @@ def test_document_mask_layout_matches_single_process(layout, document_runs, tmp_
     check_against(reference, records, f"document mask {layout}", RTOL, GRAD_NORM_RTOL)
 
 
+# A weighted mixture (data.mix) of text files and the embedded text: every layout reads the same
+# windows from each source.
+MIXTURE_LAYOUTS = {
+    "fsdp2": (2, ["+recipe=llama_fsdp"]),
+    "tp2": (2, ["+recipe=llama_tp2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def mixture_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
+    folder = tmp_path_factory.mktemp("mixture")
+    rng = random.Random(1)
+    for i in range(40):
+        (folder / f"{i:02d}.txt").write_text(" ".join(_sentence(rng).upper() for _ in range(rng.randrange(2, 9))))
+    overrides = (*COMMON, f"data.mix=[{{source:text,path:'{folder}/*.txt',weight:3}},{{source:embedded,weight:1}}]")
+    return overrides, train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("mix1"))
+
+
+@pytest.mark.parametrize("layout", MIXTURE_LAYOUTS)
+def test_mixture_layout_matches_single_process(layout, mixture_runs, reference, tmp_path):
+    overrides, mixture_reference = mixture_runs
+    ranks, layout_overrides = MIXTURE_LAYOUTS[layout]
+    records = train_metrics(ranks, *layout_overrides, *overrides, output_dir=tmp_path)
+    check_against(mixture_reference, records, f"mixture {layout}", RTOL, GRAD_NORM_RTOL)
+    # The mixture is read, not the embedded text alone.
+    assert max_relative_difference([r["loss"] for r in records], [r["loss"] for r in reference]) > 1e-2
+
+
 def test_single_process_matches_plain_pytorch_loop(reference):
     """The reference itself is right: the trainer on one rank (FSDP over one rank, the real
     loop) equals an unwrapped model trained by a hand-written loop on the same batches."""

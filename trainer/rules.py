@@ -47,6 +47,9 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     peak = job.metrics.peak_tflops
     if not (peak is None or peak == "auto" or (isinstance(peak, (int, float)) and peak > 0)):
         raise ConfigError(f"metrics.peak_tflops={peak} must be null, a positive number or auto")
+    if job.validation.path is not None and job.data.mix:
+        raise ConfigError(f"validation.path={job.validation.path} cannot be combined with data.mix "
+                          f"(each source's held-out windows are mixed for validation)")
     if job.validation.path is not None and job.data.source == "embedded":
         raise ConfigError(f"validation.path={job.validation.path} needs files of your own in data.path "
                           f"(it is read like data.path, with data.source and data.tokenizer)")
