@@ -203,24 +203,34 @@ def test_json_jsonl_and_parquet_rows_are_documents(tmp_path):
         build_dataset(DataConfig(source="json", path=str(tmp_path / "a.jsonl")), seq_len=16, seed=0)
 
 
-def test_hub_dataset_streams_in_order(tmp_path):
+def test_hub_dataset_streams_in_order_each_rank_its_shard(tmp_path):
     """data.source=hub streams a dataset by name (here a local folder, as the Hub would serve it):
-    the first windows are the validation split, training reads on from there in stream order, and
-    the stream starts over at its end."""
+    the first windows are the validation split and training leaves their documents out; each
+    data-parallel rank reads a shard of its own (every other row here: one file), in stream order,
+    starting over at its end."""
     texts = [" ".join(_sentence(random.Random(i)) for _ in range(4)) for i in range(400)]
     (tmp_path / "hub").mkdir()
     (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     config = DataConfig(source="hub", path=str(tmp_path / "hub"))
-    stream = [t for text in texts for t in [*text.encode(), ByteTokenizer.eos_id]]
+
+    def stream(docs):
+        return [t for text in docs for t in [*text.encode(), ByteTokenizer.eos_id]]
+
     val, train = (build_dataset(config, seq_len=8, seed=0, split=split) for split in ("val", "train"))
-    assert len(val) == STREAM_VAL_WINDOWS and val[3].tolist() == stream[24:33]
+    assert len(val) == STREAM_VAL_WINDOWS and val[3].tolist() == stream(texts)[24:33]
+    held = next(n for n in range(len(texts)) if len(stream(texts[:n])) >= 8 * STREAM_VAL_WINDOWS + 1)
+    assert train[0].tolist() == stream(texts[held:])[:9]  # one rank: every document after the held-out ones
     loader = BatchLoader(train, global_batch=4, dp_rank=1, dp_size=2, grad_accum=1, seed=0)
-    ((inputs, labels),) = loader.microbatches(step=2)  # sequences 8..11 of the stream; rank 1 reads 10 and 11
-    first = 8 * (STREAM_VAL_WINDOWS + 10)
-    assert inputs[0].tolist() == stream[first : first + 8] and inputs[1].tolist() == stream[first + 8 : first + 16]
-    wrapped = (len(stream) - 1) // 8 + 5 - STREAM_VAL_WINDOWS  # a window past the stream's end
-    assert train[wrapped].tolist() == (stream * 2)[8 * (wrapped + STREAM_VAL_WINDOWS):][:9]
-    assert train[0].tolist() == stream[8 * STREAM_VAL_WINDOWS:][:9]  # going back reads the stream again
+    ((inputs, labels),) = loader.microbatches(step=2)  # rank 1's windows 4 and 5: two a step
+    shard = stream([texts[i] for i in range(1, len(texts), 2) if i >= held])
+    assert inputs[0].tolist() == shard[32:40] and inputs[1].tolist() == shard[40:48]
+    assert labels[1].tolist() == shard[41:49]
+    resumed = BatchLoader(train, global_batch=4, dp_rank=1, dp_size=2, grad_accum=1, seed=0)
+    resumed.offset = loader.position(steps=2)  # a run resumed after 2 steps reads on from there
+    assert torch.equal(resumed.microbatches(0)[0][0], inputs)
+    wrapped = (len(shard) - 1) // 8 + 5  # a window past the shard's end
+    assert loader.stream[wrapped].tolist() == (shard * 2)[8 * wrapped :][:9]
+    assert loader.stream[0].tolist() == shard[:9]  # going back reads the shard again
 
 
 def test_unreachable_hub_dataset_fails_fast_naming_it():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import sys
@@ -23,39 +24,76 @@ class HubStream(Dataset):
     """A Hugging Face Hub dataset, streamed: documents read in order, tokenized and cut into
     windows of seq_len + 1 as training reaches them; nothing is downloaded ahead.
 
-    The first STREAM_VAL_WINDOWS windows are split "val" (read once and kept); split "train" is
-    every window after them and split "all" every window, in stream order (`sequential`: the loader
-    does not shuffle them), starting over at the stream's end. A resumed run reads (and drops) the
-    stream up to its position. Every rank reads the whole stream and keeps its own windows; at
-    scale, prepare a binary file instead.
+    Split "val" is the first STREAM_VAL_WINDOWS windows of the stream (read once and kept). Split
+    "train" is every document but those the validation windows touch, split "all" every document,
+    in stream order (`sequential`: not shuffled), starting over at the stream's end. The loader
+    gives each data-parallel rank a shard of its own (`per_rank`; datasets' split_dataset_by_node:
+    whole files when they divide evenly over the ranks, else every dp-th row), so a rank reads and
+    tokenizes its share only; a resumed run reads (and drops) its shard up to its position.
     """
 
-    def __init__(self, data, seq_len: int, split: str):
-        self.data, self.seq_len = data, seq_len
+    def __init__(self, data, seq_len: int, split: str, shard: tuple[int, int] = (0, 1),
+                 held_out: frozenset | None = None):
+        self.data, self.seq_len, self.split, self.shard_of = data, seq_len, split, shard
         self.tokenizer = build_tokenizer(data.tokenizer)
         self.vocab_size, self.eos_id = self.tokenizer.vocab_size, self.tokenizer.eos_id
-        self.first = STREAM_VAL_WINDOWS if split == "train" else 0
-        self._restart()
-        self.windows = [self._window(i) for i in range(STREAM_VAL_WINDOWS)] if split == "val" else None
-        self.sequential = self.windows is None
+        self.windows = None
+        if split != "all" and held_out is None:
+            self.windows, held_out = self._validation()
+        self.held_out = held_out or frozenset()  # digests of the validation windows' documents
+        self.sequential = self.per_rank = split != "val"
+        if self.sequential:
+            self.windows = None
+            self._restart()
 
-    def _open(self) -> Iterator[str]:
+    def shard(self, rank: int, world: int) -> HubStream:
+        """This stream as data-parallel rank `rank` of `world` reads it."""
+        return HubStream(self.data, self.seq_len, self.split, (rank, world), self.held_out)
+
+    def _open(self, whole: bool = False) -> Iterator[str]:
+        """The documents of the stream (of this rank's shard unless `whole`), held-out ones left out."""
         name, what = self.data.path, f"data.path={self.data.path}"
+        rank, world = (0, 1) if whole else self.shard_of
         try:
             _check_hub_reachable(name)
             import datasets
+            from datasets.distributed import split_dataset_by_node
 
             rows = datasets.load_dataset(name, self.data.subset, split=self.data.split, streaming=True)
+            if world > 1:
+                rows = split_dataset_by_node(rows, rank=rank, world_size=world)
             texts = row_texts(rows, self.data.text_field, what)
+            if not whole and self.held_out:
+                texts = (text for text in texts if _digest(text) not in self.held_out)
             first = next(texts)
         except ConfigError:
             raise
         except StopIteration:
-            raise ConfigError(f"{what} (data.split={self.data.split}) holds no documents") from None
+            whose = f" for data-parallel rank {rank} of {world}" if world > 1 else ""
+            left = " once the validation windows' documents are held out" if self.held_out else ""
+            raise ConfigError(f"{what} (data.split={self.data.split}) holds no documents{whose}{left}") from None
         except Exception as e:  # the Hub's and datasets' many errors, one line for the user
             raise ConfigError(f"{what}: cannot stream the Hugging Face dataset {name} "
                               f"(data.split={self.data.split}): {type(e).__name__}: {e}".splitlines()[0]) from None
         return itertools.chain([first], texts)
+
+    def _validation(self) -> tuple[list[torch.Tensor], frozenset]:
+        """The first STREAM_VAL_WINDOWS windows of the whole stream, and the digests of the
+        documents they touch (which training leaves out)."""
+        need, held_out, groups, have = STREAM_VAL_WINDOWS * self.seq_len + 1, set(), [], 0
+        for text in self._open(whole=True):
+            held_out.add(_digest(text))
+            groups += list(encode_documents([text], self.tokenizer))
+            have += len(groups[-1])
+            if have >= need:
+                break
+        if have < need:
+            raise ConfigError(f"data.path={self.data.path} (data.split={self.data.split}) holds {have} tokens, "
+                              f"too few for {STREAM_VAL_WINDOWS} validation windows of training.seq_len={self.seq_len}")
+        tokens = np.concatenate(groups)
+        windows = [torch.from_numpy(tokens[i * self.seq_len : (i + 1) * self.seq_len + 1].copy())
+                   for i in range(STREAM_VAL_WINDOWS)]
+        return windows, frozenset(held_out)
 
     def _restart(self) -> None:
         self._groups = encode_documents(self._open(), self.tokenizer)
@@ -80,7 +118,11 @@ class HubStream(Dataset):
         return sys.maxsize if self.windows is None else len(self.windows)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self._window(self.first + index) if self.windows is None else self.windows[index]
+        return self._window(index) if self.windows is None else self.windows[index]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=16).digest()
 
 
 def _check_hub_reachable(name: str) -> None:

@@ -45,13 +45,16 @@ class BatchLoader:
     block is split evenly over the data-parallel ranks. So a microbatch of the job holds the same
     sequences in every layout, which keeps per-microbatch statistics (the MoE load-balancing loss)
     independent of the layout too. A pipeline schedule cuts each of this rank's microbatches into
-    its pp_microbatches contiguous pieces.
+    its pp_microbatches contiguous pieces. A stream read per rank (a Hub dataset) is the exception:
+    each rank reads G / dp windows a step from a shard of its own, so its batches depend on dp.
     """
 
     def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int,
                  pp_microbatches: int = 1):
-        self.stream, self.global_batch = as_stream(dataset, seed), global_batch
-        self.dp_rank, self.grad_accum = dp_rank, grad_accum
+        # A stream read per rank (a Hub dataset) gives this rank its own shard, read in order.
+        self.per_rank = getattr(dataset, "per_rank", False)
+        self.stream = dataset.shard(dp_rank, dp_size) if self.per_rank else as_stream(dataset, seed)
+        self.global_batch, self.dp_rank, self.dp_size, self.grad_accum = global_batch, dp_rank, dp_size, grad_accum
         self.blocks = grad_accum * pp_microbatches
         self.share = global_batch // self.blocks // dp_size  # sequences of one block on one rank
         self.micro_batch = global_batch // dp_size // grad_accum
@@ -63,10 +66,14 @@ class BatchLoader:
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[(inputs, labels)] for `step` (0-based), each [micro_batch, seq_len]."""
-        block_size = self.global_batch // self.blocks
-        positions = [
-            self.offset + step * self.global_batch + block * block_size + self.dp_rank * self.share + i
-            for block in range(self.blocks) for i in range(self.share)
-        ]
+        if self.per_rank:  # positions in this rank's shard (resumed with another dp size: proportionally)
+            first = (self.offset + step * self.global_batch) // self.dp_size
+            positions = [first + block * self.share + i for block in range(self.blocks) for i in range(self.share)]
+        else:
+            block_size = self.global_batch // self.blocks
+            positions = [
+                self.offset + step * self.global_batch + block * block_size + self.dp_rank * self.share + i
+                for block in range(self.blocks) for i in range(self.share)
+            ]
         sequences = torch.stack(take(self.stream, positions))
         return [(chunk[:, :-1], chunk[:, 1:]) for chunk in sequences.split(self.micro_batch)]
