@@ -1,15 +1,17 @@
 """How fast the data loader makes batches, to hold against the trainer's tokens/s.
 
-    python scripts/bench_loader.py [--steps 200] data.source=binary data.path=data/corpus.bin training.seq_len=256
+    python scripts/bench_loader.py [--steps 200] [--dp 1] data.source=binary data.path=data/corpus.bin training.seq_len=256
 
 Composes the config as train.py does (any overrides), builds the training windows (timed: a text,
-json or parquet source tokenizes its files then) and reads `--steps` global batches on one
-data-parallel rank: the whole job's tokens, so the figure is the loader's ceiling per process.
+json or parquet source is tokenized into the cache then, unless it is there) and reads `--steps`
+global batches as data-parallel rank 0 of `--dp` (with 1: the whole job's tokens, so the figure is
+the loader's ceiling per process). Prints the process's peak resident memory (VmHWM) at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from trainer.data import BatchLoader, build_dataset  # noqa: E402
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--dp", type=int, default=1, help="read as rank 0 of this many data-parallel ranks")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     register_configs()
@@ -35,13 +38,16 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     dataset = build_dataset(job.data, t.seq_len, t.seed)
     built = time.perf_counter()
-    loader = BatchLoader(dataset, t.global_batch_size, dp_rank=0, dp_size=1, grad_accum=t.grad_accum_steps, seed=t.seed)
+    loader = BatchLoader(dataset, t.global_batch_size, dp_rank=0, dp_size=args.dp, grad_accum=t.grad_accum_steps,
+                         seed=t.seed)
     for step in range(args.steps):
         loader.microbatches(step)
     seconds = time.perf_counter() - built
-    tokens = args.steps * t.global_batch_size * t.seq_len
-    print(f"data.source={job.data.source}: windows ready in {built - started:.1f}s; {args.steps} global batches of "
-          f"{t.global_batch_size} x {t.seq_len} in {seconds:.2f}s: {tokens / seconds:,.0f} tokens/s")
+    tokens = args.steps * t.global_batch_size * t.seq_len // args.dp
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+    print(f"data.source={job.data.source}: windows ready in {built - started:.1f}s; {args.steps} batches of "
+          f"{t.global_batch_size // args.dp} x {t.seq_len} in {seconds:.2f}s: {tokens / seconds:,.0f} tokens/s; "
+          f"peak RSS {peak:,.0f} MiB")
 
 
 if __name__ == "__main__":
