@@ -14,7 +14,7 @@ from helpers import REPO
 
 import trainer.data.cache as cache
 from trainer.config import DataConfig
-from trainer.data import BatchLoader, EmbeddedText, build_dataset
+from trainer.data import build_dataset
 from trainer.data.files import TokenFile
 from trainer.data.order import Shuffled, permute, round_keys
 from trainer.errors import ConfigError
@@ -134,10 +134,3 @@ def test_a_rank_holds_its_share_not_the_corpus(tmp_path):
         path.unlink()
     print(f"peak RSS (MiB): 2 MB corpus {peaks['small']}, 200 MB corpus {peaks['large']}")
     assert peaks["large"] - peaks["small"] < 16, peaks
-
-
-def test_embedded_windows_are_shuffled_without_a_table():
-    loader = BatchLoader(EmbeddedText(seq_len=8, seed=0), global_batch=4, dp_rank=0, dp_size=1, grad_accum=1, seed=0)
-    assert not hasattr(loader.stream, "_order")
-    ((inputs, _),) = loader.microbatches(10**9)  # far into the stream, at once
-    assert inputs.shape == (4, 8)

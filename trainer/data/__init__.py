@@ -43,9 +43,9 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
         tokens, meta = cached_tokens(data.source, data.path, data.text_field, data.tokenizer, data.cache_dir)
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     if data.source == "binary":
-        tokens, meta = read_token_file(data.path, what) if data.path else (None, None)
-        if meta is None:
+        if not data.path:
             raise ConfigError("data.path=None must name a token file for data.source=binary")
+        tokens, meta = read_token_file(data.path, what)
         if data.tokenizer != "bytes":  # (bytes, the default, says nothing: the file's own tokenizer is used)
             check_tokenizer(meta, build_tokenizer(data.tokenizer), what, "prepare it again with this tokenizer")
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
@@ -59,7 +59,8 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
 def _mixture(data, seq_len: int, seed: int, split: str) -> Mixture:
     """data.mix's sources (each read like data.source/path/..., with data's tokenizer), mixed."""
     if data.path is not None:
-        raise ConfigError(f"data.path={data.path} and data.mix exclude each other: give each source its path in data.mix")
+        raise ConfigError(f"data.path={data.path} and data.mix exclude each other: "
+                          f"give each source its path in data.mix")
     datasets = []
     for i, source in enumerate(data.mix):
         if not source.weight > 0:

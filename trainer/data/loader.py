@@ -1,4 +1,5 @@
-"""This rank's share of each global batch, read ahead on a background thread."""
+"""This rank's share of each global batch, read ahead on a background thread; and where each token
+stands in its document."""
 
 from __future__ import annotations
 
