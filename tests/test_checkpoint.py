@@ -11,13 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENV, REPO, failure_report, read_metrics, spawn, torchrun, torchrun_command, train_metrics
+from helpers import (
+    ENV,
+    REPO,
+    failure_report,
+    read_metrics,
+    spawn,
+    torchrun,
+    torchrun_command,
+    train_metrics,
+)
 
 from trainer import build_model, load_weights
 from trainer.checkpoint import CheckpointError, SafeReader, files, verify
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset
-from trainer.train import cross_entropy
+from trainer.steps import cross_entropy
 
 STEPS = 10
 COMMON = (

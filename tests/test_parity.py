@@ -7,6 +7,7 @@ Rows ending in `_compile` run compiled blocks against the same eager reference; 
 Mixtral have references and tolerances of their own (below).
 """
 
+import math
 import random
 
 import pytest
@@ -19,7 +20,7 @@ from trainer.data import BatchLoader, _sentence, build_dataset
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from trainer.train import cross_entropy
+from trainer.steps import cross_entropy
 
 STEPS = 10
 RTOL = 1e-4
@@ -124,12 +125,16 @@ def max_relative_difference(values: list[float], reference: list[float]) -> floa
     return max(abs(a - b) / abs(b) for a, b in zip(values, reference))
 
 
-def check_against(reference: list[dict], records: list[dict], layout: str, rtol: float, grad_norm_rtol: float):
+def check_against(reference: list[dict], records: list[dict], layout: str, rtol: float, grad_norm_rtol: float,
+                  nan_at: int | None = None):
     losses, expected = [r["loss"] for r in records], [r["loss"] for r in reference]
     difference = max_relative_difference(losses, expected)
     print(f"{layout}: max relative loss difference {difference:.2e}")
     assert difference <= rtol, f"{layout} losses {losses} drift from the 1-rank run {expected}"
     norms, expected_norms = [r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]
+    if nan_at is not None:  # a step whose gradient norm was made NaN on purpose
+        assert math.isnan(norms[nan_at - 1]) and math.isnan(expected_norms[nan_at - 1])
+        norms[nan_at - 1] = expected_norms[nan_at - 1] = 1.0
     assert max_relative_difference(norms, expected_norms) <= grad_norm_rtol, (
         f"{layout} gradient norms {norms} differ from the 1-rank run's {expected_norms}"
     )
@@ -264,6 +269,33 @@ def test_mixture_layout_matches_single_process(layout, mixture_runs, reference, 
     check_against(mixture_reference, records, f"mixture {layout}", RTOL, GRAD_NORM_RTOL)
     # The mixture is read, not the embedded text alone.
     assert max_relative_difference([r["loss"] for r in records], [r["loss"] for r in reference]) > 1e-2
+
+
+# The step guards (training.spike, training.on_nonfinite): a NaN gradient at step 3 and a batch of
+# scrambled tokens at step 7 are skipped at the same steps in every layout, from the all-reduced
+# loss and gradient norm.
+GUARD_LAYOUTS = {
+    "fsdp2": (2, ["+recipe=llama_fsdp"]),
+    "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
+}
+GUARDS = ("training.spike.threshold=1.5", "training.spike.warmup_steps=4", "training.spike.decay=0.7")
+FAULTS = {"TRAINER_FAULTS": "nan_grad@3,garbage_batch@7"}
+
+
+@pytest.fixture(scope="module")
+def guard_reference(tmp_path_factory) -> list[dict]:
+    records = train_metrics(1, "+recipe=llama_fsdp", *COMMON, *GUARDS, output_dir=tmp_path_factory.mktemp("guard"),
+                            env=FAULTS)
+    assert [r["skipped_steps"] for r in records][2:8] == [1, 1, 1, 1, 2, 2]  # steps 3 and 7
+    return records
+
+
+@pytest.mark.parametrize("layout", GUARD_LAYOUTS)
+def test_guarded_layout_skips_the_same_steps(layout, guard_reference, tmp_path):
+    ranks, overrides = GUARD_LAYOUTS[layout]
+    records = train_metrics(ranks, *overrides, *COMMON, *GUARDS, output_dir=tmp_path, env=FAULTS)
+    assert [r["skipped_steps"] for r in records] == [r["skipped_steps"] for r in guard_reference]
+    check_against(guard_reference, records, f"guards {layout}", RTOL, GRAD_NORM_RTOL, nan_at=3)
 
 
 def test_single_process_matches_plain_pytorch_loop(reference):

@@ -10,7 +10,7 @@ from trainer.models import count_params, init_weights, materialize
 from trainer.parallel import parallelize_llama
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.tensor_parallel import loss_parallel_context
-from trainer.train import cross_entropy
+from trainer.steps import cross_entropy
 
 
 def _tp2_fsdp2(rank, world_size, loss_parallel):

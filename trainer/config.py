@@ -91,6 +91,15 @@ class MixedPrecisionConfig:
 
 
 @dataclass
+class SpikeConfig:
+    # null: off. Else a loss above its running mean by this many running standard deviations is a spike.
+    threshold: Optional[float] = None
+    action: str = "skip"  # skip: the step is skipped | rollback: back to the newest checkpoint, past the data
+    warmup_steps: int = 50  # steps whose losses only feed the running mean and variance
+    decay: float = 0.95  # of the running mean and variance, per step (about 1 / (1 - decay) steps of memory)
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 1000
     seq_len: int = 2048
@@ -106,6 +115,10 @@ class TrainingConfig:
     # none | full | selective; under full, every Nth block is checkpointed (1: every block).
     activation_checkpoint: str = "none"
     activation_checkpoint_every: int = 1
+    # A step whose loss or gradient norm is NaN or infinite: skip (no optimizer step) | stop.
+    on_nonfinite: str = "skip"
+    max_skipped_steps: int = 10  # skipped steps in a row that stop the job (0: no limit)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
 
 
 @dataclass

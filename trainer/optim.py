@@ -45,7 +45,14 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: f
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clips by the global norm of all gradients and returns that norm, the same on every rank.
+    """Clips by the global norm of all gradients and returns that norm, the same on every rank."""
+    return clip_and_sum_loss_(parameters, max_norm)[0]
+
+
+@torch.no_grad()
+def clip_and_sum_loss_(parameters, max_norm: float, loss: torch.Tensor | None = None):
+    """Clips by the global norm of all gradients; returns that norm and, given this rank's `loss`,
+    the sum of every rank's (both the same on every rank, from one all-reduce).
 
     Each rank sums the squares of its local gradient shards, each divided by the number of ranks
     that hold the same values (the mesh dimensions a DTensor is replicated on; every rank for a
@@ -67,13 +74,14 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2 / copies
         for copies, grads in by_copies.items()
     )
+    summed = squares if loss is None else torch.stack([squares, loss.detach().double().to(squares.device)])
     if world > 1:
-        dist.all_reduce(squares)
-    total = squares.sqrt().float()
+        dist.all_reduce(summed)
+    total = summed.reshape(-1)[0].sqrt().float()
     if max_norm > 0:
         for group in by_mesh(parameters):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
-    return total
+    return total, (None if loss is None else summed[1])
 
 
 def by_mesh(parameters: list) -> list[list]:

@@ -92,10 +92,27 @@ def check_training(t, dims: ParallelDims) -> None:
         raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be one of {list(AC_MODES)}")
     if t.activation_checkpoint_every < 1:
         raise ConfigError(f"training.activation_checkpoint_every={t.activation_checkpoint_every} must be >= 1")
+    check_guards(t)
     for key in ("param_dtype", "reduce_dtype"):
         value = getattr(t.mixed_precision, key)
         if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
             raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
+
+
+def check_guards(t) -> None:
+    if t.on_nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"training.on_nonfinite={t.on_nonfinite} must be skip or stop")
+    if t.max_skipped_steps < 0:
+        raise ConfigError(f"training.max_skipped_steps={t.max_skipped_steps} must be >= 0 (0: no limit)")
+    spike = t.spike
+    if spike.threshold is not None and not spike.threshold > 0:
+        raise ConfigError(f"training.spike.threshold={spike.threshold} must be null (off) or > 0 standard deviations")
+    if spike.action not in ("skip", "rollback"):
+        raise ConfigError(f"training.spike.action={spike.action} must be skip or rollback")
+    if not 0 < spike.decay < 1:
+        raise ConfigError(f"training.spike.decay={spike.decay} must be between 0 and 1")
+    if spike.warmup_steps < 1:
+        raise ConfigError(f"training.spike.warmup_steps={spike.warmup_steps} must be >= 1")
 
 
 def check_precision_and_compile(t, device: str) -> None:

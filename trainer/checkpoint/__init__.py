@@ -2,8 +2,8 @@
 during training and restoring at start (saver.py), and Hugging Face interop (hf.py)."""
 
 from trainer.checkpoint.files import CheckpointError, SafeReader, verify
-from trainer.checkpoint.saver import Checkpointer, restore
+from trainer.checkpoint.saver import Checkpointer, restore, roll_back
 from trainer.checkpoint.state import TrainState, load_weights, save_weights
 
-__all__ = ["CheckpointError", "Checkpointer", "SafeReader", "TrainState", "load_weights", "restore", "save_weights",
-           "verify"]
+__all__ = ["CheckpointError", "Checkpointer", "SafeReader", "TrainState", "load_weights", "restore", "roll_back",
+           "save_weights", "verify"]

@@ -52,6 +52,19 @@ def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -
     return 0, 0
 
 
+def roll_back(state: TrainState, folder: Path, checkpointer: Checkpointer, log) -> int | None:
+    """Collective: reloads the newest complete checkpoint in `folder` (once a pending save is
+    published) and returns its step; None when there is none yet."""
+    checkpointer.wait()
+    rank, world = rank_world()
+    path = find_resume(folder, rank, world, log)
+    if path is None:
+        log("spike: no checkpoint to roll back to yet; the step was skipped")
+        return None
+    step, _ = state.load(path)
+    return step
+
+
 class StopSignal:
     """SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption, and what torchrun
     forwards) becomes a request to stop after the current step; the loop saves and exits cleanly."""

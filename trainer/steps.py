@@ -1,0 +1,160 @@
+"""This rank's model parts, and the functions that run one step on them: forward and backward over
+the step's microbatches (plain or through a pipeline schedule), forward only for validation, and
+the job's mean loss."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.config import JobConfig
+from trainer.models import build_model, init_weights, materialize
+from trainer.models.llama import attend_within_documents
+from trainer.models.moe import set_aux_loss_scale
+from trainer.parallel import PARALLELIZE
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import (
+    build_schedule,
+    forward_only,
+    keep_modules,
+    split_modules,
+    stage_ids,
+    stage_owners,
+)
+from trainer.parallel.tensor_parallel import loss_parallel_context
+from trainer.rules import DTYPES, param_dtype
+
+
+def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) -> tuple[list[nn.Module], list[int]]:
+    """This rank's model: the whole model, or its pipeline stages, each built on meta, parallelized,
+    then allocated and initialised shard by shard. Returns the parts and their stage indices."""
+    t = job.training
+    parallelize = partial(
+        PARALLELIZE[job.model.family], dims=dims, param_dtype=param_dtype(t.mixed_precision, device),
+        reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
+        activation_checkpoint_every=t.activation_checkpoint_every,
+        compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
+        cp_method=job.parallel.cp_method,
+    )
+    stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
+    if dims.pp_enabled:
+        stage_modules = job.parallel.pp_stage_modules or split_modules(
+            job.model.n_layers, dims.pp * dims.pp_stages_per_rank, job.parallel.pp_embedding_cost,
+            job.parallel.pp_output_cost,
+        )
+    parts = []
+    for stage in stages:
+        part = build_model(job.model, device="meta")
+        if job.data.document_mask:
+            attend_within_documents(part)
+        if dims.pp_enabled:
+            keep_modules(part, stage_modules[stage])
+        parallelize(part)
+        materialize(part, device)
+        init_weights(part, t.seed)
+        # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit.
+        # Under tensor parallel each tp rank's router sees its slice of the sequence and the
+        # router's gradients are summed over the tp ranks: each slice's loss counts 1/tp.
+        set_aux_loss_scale(part, 1 / (t.grad_accum_steps * dims.pp_microbatches * dims.tp))
+        parts.append(part)
+    return parts, stages
+
+
+def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
+                  stages: list[int], loss_parallel: bool):
+    """The forward and backward of one optimizer step, and the forward only (validation): each maps
+    this rank's microbatches to its mean loss (0 on pipeline ranks without the last stage)."""
+    pp_group = dims.view("pp").get_group() if dims.pp_enabled else None
+    owners = stage_owners(dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
+    pp_rank = dims.view("pp").get_local_rank()
+
+    def eval_fn(microbatches: list) -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for inputs, labels, positions in microbatches:
+            logits = forward_only(parts, stages, owners, pp_rank, pp_group, inputs.to(device), positions.to(device))
+            if logits is not None:
+                with loss_parallel_context(loss_parallel):
+                    total += local_tensor(cross_entropy(logits, labels.to(device))) / len(microbatches)
+        return total
+
+    if not dims.pp_enabled:
+        return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel), eval_fn
+    # Accumulation steps are more microbatches of one schedule run: FSDP gathers and reduce-scatters
+    # once a step, and the pipeline fills and drains once.
+    n_microbatches = job.training.grad_accum_steps * dims.pp_microbatches
+
+    def loss_fn(logits, labels):
+        # Each microbatch's share of the step's mean loss, so gradients sum to the mean's.
+        return cross_entropy(logits, labels) / n_microbatches
+
+    n_stages = dims.pp * dims.pp_stages_per_rank
+    schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, pp_group, device,
+                              n_microbatches, loss_fn)
+    step = partial(pipeline_step, schedule, device=device, loss_parallel=loss_parallel, first=0 in stages,
+                   last=n_stages - 1 in stages)
+    return step, eval_fn
+
+
+def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
+    """One line on what the job is split into and how much of its model (its stages, under pipeline
+    parallel) rank 0 holds."""
+    degrees = ", ".join(f"{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    scope = "rank 0's stages" if dims.pp_enabled else "the model"
+    return (f"mesh {degrees} | {scope}: {total / 1e6:.2f}M parameters, rank 0 holds {held / 1e6:.2f}M "
+            f"({held_mib:.1f} MiB, 1/{total / held:.2f})")
+
+
+def train_step(model, microbatches: list, *, device: torch.device, loss_parallel: bool) -> torch.Tensor:
+    """Forward and backward over this rank's microbatches; returns their mean loss."""
+    total = torch.zeros((), device=device)
+    for i, (inputs, labels, positions) in enumerate(microbatches):
+        # Gradients are reduced across data-parallel ranks once, after the last microbatch.
+        model.set_requires_gradient_sync(i == len(microbatches) - 1)
+        with loss_parallel_context(loss_parallel):
+            logits = model(inputs.to(device), positions.to(device))
+            loss = cross_entropy(logits, labels.to(device)) / len(microbatches)
+            loss.backward()
+        total += local_tensor(loss.detach())
+    return total
+
+
+def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_parallel: bool, first: bool,
+                  last: bool) -> torch.Tensor:
+    """One schedule run over the step's microbatches (the accumulation steps' together, in order):
+    the schedule cuts them into pipeline microbatches and (on the last stage) records each one's
+    already scaled loss, so they sum to the mean."""
+    inputs, labels, positions = (torch.cat(parts) for parts in zip(*microbatches))
+    losses: list[torch.Tensor] = []
+    args = (inputs.to(device),) if first else ()
+    with loss_parallel_context(loss_parallel):
+        # Every stage's blocks need the positions; the schedule splits them like the inputs.
+        schedule.step(*args, target=labels.to(device) if last else None, losses=losses,
+                      positions=positions.to(device))
+    if not last:
+        return torch.zeros((), device=device)
+    return torch.stack([local_tensor(loss.detach()) for loss in losses]).sum()
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The part of a DTensor this rank holds (all of it when replicated, e.g. a loss-parallel loss)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def job_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
+    """The whole job's mean loss from each rank's: averaged over the data-parallel (and context-
+    parallel) ranks, summed over pipeline stages, of which only the last holds a loss."""
+    value = loss.detach().clone()
+    dp_cp = dims.view("dp_cp")
+    dist.all_reduce(value, group=dp_cp.get_group())
+    if dims.pp_enabled:
+        dist.all_reduce(value, group=dims.view("pp").get_group())
+    return value.item() / dp_cp.size()
