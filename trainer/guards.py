@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+
 class TrainingStopped(RuntimeError):
     """Training cannot go on: printed as one `training stopped:` line; nothing more is saved."""
 
