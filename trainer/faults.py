@@ -14,6 +14,7 @@ import os
 import torch
 
 from trainer.errors import ConfigError
+from trainer.steps import local_tensor
 
 KINDS = {"nan_grad", "garbage_batch"}
 
@@ -48,7 +49,7 @@ class Faults:
         """Sets one element of this rank's first local gradient to NaN."""
         for p in parameters:
             if p.grad is not None:
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad = local_tensor(p.grad)
                 if grad.numel():
                     grad.view(-1)[0] = float("nan")
                     return

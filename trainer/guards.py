@@ -10,7 +10,7 @@ nothing is lost by the wait.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from trainer.steps import local_tensor
 
 
 class TrainingStopped(RuntimeError):
@@ -107,7 +107,7 @@ def check_finite(parts, optimizer, step: int) -> None:
     for p, state in optimizer.state.items():
         tensors += [(f"{names.get(id(p), '?')} ({key})", v) for key, v in state.items()
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1]
-    local = [t.to_local() if isinstance(t, DTensor) else t for _, t in tensors]
+    local = [local_tensor(t) for _, t in tensors]
     finite = torch.stack([torch.isfinite(t).all() for t in local]) if local else torch.ones(0, dtype=torch.bool)
     bad = (~finite).to(torch.int32).sum().reshape(1)
     torch.distributed.all_reduce(bad)

@@ -152,7 +152,7 @@ def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def hf_sources(cfg: ModelConfig) -> dict[str, str | list[str]]:
     """Our weight name -> the Hugging Face tensor it is, or for our stacked experts the list of
     per-expert tensors in expert order."""
-    sources: dict[str, str | list[str]] = {ours: hf for ours, hf in _names(cfg).items()}
+    sources: dict[str, str | list[str]] = dict(_names(cfg))
     for i in range(cfg.n_layers) if cfg.n_experts else ():
         for w in ("w1", "w2", "w3"):
             sources[f"layers.{i}.feed_forward.experts.{w}"] = _expert_names(cfg, i, w)

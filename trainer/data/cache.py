@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.files import documents, read_token_file, text_paths
+from trainer.data.files import TokenFile, documents, read_token_file, text_paths
 from trainer.errors import ConfigError
 from trainer.tokenizer import build_tokenizer, encode_documents
 
@@ -65,7 +65,7 @@ def cache_folder(cache_dir: str | None) -> Path:
 
 
 def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec: str,
-                  cache_dir: str | None) -> tuple[np.ndarray, dict]:
+                  cache_dir: str | None) -> tuple[TokenFile, dict]:
     """The token stream of local text/json/parquet files, read from the cache (tokenized
     into it first by whichever process gets there first)."""
     tokenizer = build_tokenizer(tokenizer_spec)
@@ -85,13 +85,17 @@ def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec
             fcntl.flock(lock, fcntl.LOCK_EX)  # one process tokenizes; the others wait for its file
             if not Path(f"{out}.json").is_file():
                 print(f"data: tokenizing {len(files)} file(s) of data.path={path} once, into {out}", flush=True)
-                with TokenWriter(out, tokenizer) as writer:
-                    for ids in encode_documents(documents(source, path, text_field), tokenizer):
-                        writer.write(ids)
-                    writer.finish(tokenizer=tokenizer_spec, source=source, path=path, text_field=text_field)
+                _tokenize(out, tokenizer, source, path, text_field, tokenizer_spec)
     tokens, meta = read_token_file(out, f"the token cache {out} (of data.path={path})")
     check_tokenizer(meta, tokenizer, f"the token cache {out} (of data.path={path})", "delete it")
     return tokens, meta
+
+
+def _tokenize(out: Path, tokenizer, source: str, path: str, text_field: str, tokenizer_spec: str) -> None:
+    with TokenWriter(out, tokenizer) as writer:
+        for ids in encode_documents(documents(source, path, text_field), tokenizer):
+            writer.write(ids)
+        writer.finish(tokenizer=tokenizer_spec, source=source, path=path, text_field=text_field)
 
 
 def check_tokenizer(meta: dict, tokenizer, what: str, remedy: str) -> None:
