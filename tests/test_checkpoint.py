@@ -3,6 +3,7 @@ detection, seed checkpoints, preemption by signal, and torchrun restarting a kil
 
 import os
 import pickle
+import random
 import signal
 import subprocess
 import sys
@@ -193,11 +194,12 @@ def test_seed_checkpoint_is_the_starting_point(tmp_path):
     assert abs(records[0]["loss"] - loss) / loss <= 1e-5
 
 
-def start(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = ()) -> subprocess.Popen:
+def start(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = (),
+          env: dict | None = None) -> subprocess.Popen:
     log = open(output_dir.parent / f"{output_dir.name}.log", "w")
     # torch 2.13's torchrun otherwise hands restarted ranks its rendezvous store with the last
     # attempt's keys in it, and their process group never forms (hangs when rank 0 was the one killed).
-    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir, launcher_args=launcher_args),
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -253,17 +255,23 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
     assert difference <= EXACT
 
 
-def test_torchrun_restarts_a_killed_rank_from_the_newest_checkpoint(reference, tmp_path):
+def test_torchrun_restarts_a_rank_killed_mid_save_and_mid_step(reference, tmp_path):
+    """A non-zero rank is killed (SIGKILL) while step 6's checkpoint is being written, and, in the
+    restarted job, after step 8's backward. Each time torchrun restarts the job, which resumes from
+    the newest complete checkpoint (3, then 6): the half-written step 6 is never loaded, and every
+    step's loss is the uninterrupted run's."""
     out = tmp_path / "run"
+    victim = random.randrange(1, 2)  # a non-zero rank of 2
     process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3", output_dir=out,
-                    launcher_args=("--max-restarts=1",))
-    wait_for(lambda: (out / "checkpoints" / "step_3").is_dir(), process)
-    os.kill(min(children(process.pid)), signal.SIGKILL)  # the first started: rank 0
+                    launcher_args=("--max-restarts=2",), env={"TRAINER_FAULTS": f"kill_save@6:{victim},kill@8:{victim}"})
     assert finish(process) == 0, (tmp_path / "run.log").read_text()[-3000:]
     log = (tmp_path / "run.log").read_text()
-    assert "resumed from" in log
+    resumed = [int(line.split("/step_")[1].split()[0]) for line in log.splitlines() if "resumed from" in line]
+    assert resumed == [3, 6], log[-3000:]
+    assert sorted(p.name for p in (out / "faults").iterdir()) == [f"kill@8.rank{victim}", f"kill_save@6.rank{victim}"]
     difference = largest_difference(read_metrics(out), reference[1], 1)
-    print(f"torchrun restart: largest relative loss difference {difference:.1e}")
+    print(f"rank {victim} killed mid-save at step 6 and mid-step at step 8: resumed from steps {resumed} "
+          f"(3 and 2 steps lost), largest relative loss difference {difference:.1e}")
     assert difference <= EXACT
 
 

@@ -100,8 +100,10 @@ def test_rule_gives_a_config_error(world, settings, message):
     ({"training__activation_checkpoint_every": 0}, r"training.activation_checkpoint_every=0 must be >= 1"),
     ({"pp": 2, "pp_schedule": "zbv", "training__activation_checkpoint": "selective"},
      r"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule=zbv"),
+    ({"distributed__timeout_s": 0}, r"distributed.timeout_s=0 must be > 0 seconds"),
+    ({"distributed__step_timeout_s": -5}, r"distributed.step_timeout_s=-5 must be null \(no watchdog\) or > 0 seconds"),
 ])
-def test_checkpointing_rule_gives_a_config_error(settings, message):
+def test_checkpointing_and_timeout_rules_give_a_config_error(settings, message):
     with pytest.raises(ConfigError, match=message):
         check_job(job_for(**settings), 2)
 

@@ -157,6 +157,9 @@ class DataConfig:
     cache_dir: Optional[str] = None
     # A weighted mixture instead of data.source/path: [{source: text, path: 'web/*.txt', weight: 0.7}, ...]
     mix: List[MixSource] = field(default_factory=list)
+    # Undecodable bytes, malformed JSON lines, empty files and rows without data.text_field: counted
+    # and passed over (false), or a config error at the first one (true).
+    strict: bool = False
 
 
 @dataclass
@@ -227,6 +230,16 @@ def _checkpoint_keys() -> dict:
 
 
 @dataclass
+class DistributedConfig:
+    # Seconds a collective may wait before it fails (every process group, gloo and NCCL); also how
+    # long the watchdog allows the first step (compilation, warm-up), a checkpoint save or a validation.
+    timeout_s: int = 1800
+    # Seconds any later step may take before the watchdog reports where each rank is and exits
+    # non-zero (null: no watchdog).
+    step_timeout_s: Optional[float] = 600
+
+
+@dataclass
 class JobConfig:
     device: str = "auto"
     run_name: str = "${recipe_name:}"
@@ -239,6 +252,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: Dict[str, Any] = field(default_factory=_checkpoint_keys)
 
 

@@ -34,14 +34,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
+# How long a collective may wait before it fails: the job's distributed.timeout_s, given to every
+# group it makes (torch gives a new group its backend's default, not the world's).
+_timeout = timedelta(seconds=1800)
+
+
+def init_distributed(device: torch.device, timeout_s: float = 1800) -> None:
     """Joins the job's process group (NCCL on GPUs, gloo on CPU)."""
+    global _timeout
+    _timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, timeout=_timeout)
+
+
+def gloo_group() -> dist.ProcessGroup:
+    """A new gloo group of every rank (host-side work beside the device's), with the job's timeout."""
+    return dist.new_group(backend="gloo", timeout=_timeout)
+
+
+def set_timeouts(meshes) -> None:
+    """Gives every process group of these device meshes the job's timeout."""
+    for mesh in meshes:
+        for group in mesh.get_all_groups():
+            if dist.get_backend(group) in ("gloo", "nccl"):  # not the memory plan's fake world
+                group.set_timeout(_timeout)
 
 
 def shutdown() -> None:

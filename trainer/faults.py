@@ -1,47 +1,70 @@
 """Faults injected on purpose, for the tests that check the trainer survives them. Set
-TRAINER_FAULTS to a comma-separated list of KIND@STEP (every rank) or KIND@STEP:RANK:
+TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default: rank 0):
 
-    nan_grad@5        after step 5's backward, a gradient of the rank is NaN (default rank 0)
-    garbage_batch@12  step 12 trains on scrambled tokens (every rank): a loss spike
+    nan_grad@5        after step 5's backward, a gradient of the rank is NaN
+    garbage_batch@12  step 12 trains on scrambled tokens (every rank unless one is named): a loss spike
+    hang@4:1          rank 1 sleeps at the start of step 4's forward, while the others wait for it
+    kill@6:1          rank 1 is killed (SIGKILL) after step 6's backward, before the optimizer step
+    kill_save@4:1     rank 1 is killed while step 4's checkpoint is being saved: its shards written,
+                      the checkpoint not yet published
 
-Unset (the normal case), nothing is injected and nothing is checked but a dictionary lookup.
+Each fault fires once per job: a file under output_dir/faults records it, so that a job restarted
+by its launcher, or a step run again after a rollback, runs clean. Unset (the normal case),
+nothing is injected and nothing is checked but a dictionary lookup.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+from pathlib import Path
 
 import torch
 
 from trainer.errors import ConfigError
 from trainer.steps import local_tensor
 
-KINDS = {"nan_grad", "garbage_batch"}
+KINDS = {"nan_grad", "garbage_batch", "hang", "kill", "kill_save"}
 
 
 class Faults:
-    def __init__(self, spec: str, rank: int):
+    def __init__(self, spec: str, rank: int, output_dir: str):
+        self.rank, self.fired = rank, Path(output_dir, "faults")
         self.steps: dict[str, set[int]] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, where = item.partition("@")
             step, _, on_rank = where.partition(":")
             if kind not in KINDS or not step.isdigit() or not (on_rank == "" or on_rank.isdigit()):
                 raise ConfigError(f"TRAINER_FAULTS={spec}: {item} is not KIND@STEP[:RANK] with KIND in {sorted(KINDS)}")
-            default_rank = 0 if kind == "nan_grad" else rank
+            default_rank = rank if kind == "garbage_batch" else 0
             if int(on_rank or default_rank) == rank:
                 self.steps.setdefault(kind, set()).add(int(step))
 
     @classmethod
-    def from_env(cls, rank: int) -> Faults:
-        return cls(os.environ.get("TRAINER_FAULTS", ""), rank)
+    def from_env(cls, rank: int, output_dir: str) -> Faults:
+        return cls(os.environ.get("TRAINER_FAULTS", ""), rank, output_dir)
 
     def at(self, kind: str, step: int) -> bool:
-        """Whether to inject `kind` at `step`: once (a step run again after a rollback runs clean)."""
+        """Whether to inject `kind` at `step`: the first time this job gets there."""
         steps = self.steps.get(kind, set())
-        if step in steps:
-            steps.discard(step)
-            return True
-        return False
+        if step not in steps:
+            return False
+        steps.discard(step)
+        marker = self.fired / f"{kind}@{step}.rank{self.rank}"
+        if marker.exists():
+            return False
+        self.fired.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return True
+
+    def hang_or_kill(self, kind: str, step: int) -> None:
+        """Sleeps for good (`hang`) or kills this process (`kill`, `kill_save`) if due at `step`."""
+        if self.at(kind, step):
+            if kind == "hang":
+                while True:
+                    time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @staticmethod
     @torch.no_grad()

@@ -10,11 +10,9 @@ nothing is lost by the wait.
 from __future__ import annotations
 
 import torch
+
+from trainer.errors import TrainingStopped
 from trainer.steps import local_tensor
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot go on: printed as one `training stopped:` line; nothing more is saved."""
 
 
 class StepGuard:

@@ -42,6 +42,7 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         # schedules run it twice (input gradients, then the deferred weight gradients).
         raise ConfigError(f"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule="
                           f"{schedule}: its split backward recomputes each block twice; use full or none")
+    check_distributed(job.distributed)
     if job.metrics.log_every < 1:
         raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
     peak = job.metrics.peak_tflops
@@ -113,6 +114,13 @@ def check_guards(t) -> None:
         raise ConfigError(f"training.spike.decay={spike.decay} must be between 0 and 1")
     if spike.warmup_steps < 1:
         raise ConfigError(f"training.spike.warmup_steps={spike.warmup_steps} must be >= 1")
+
+
+def check_distributed(d) -> None:
+    if not d.timeout_s > 0:
+        raise ConfigError(f"distributed.timeout_s={d.timeout_s} must be > 0 seconds")
+    if d.step_timeout_s is not None and not d.step_timeout_s > 0:
+        raise ConfigError(f"distributed.step_timeout_s={d.step_timeout_s} must be null (no watchdog) or > 0 seconds")
 
 
 def check_precision_and_compile(t, device: str) -> None:

@@ -66,9 +66,10 @@ def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) 
 
 
 def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
-                  stages: list[int], loss_parallel: bool):
+                  stages: list[int], loss_parallel: bool, mark=lambda phase: None):
     """The forward and backward of one optimizer step, and the forward only (validation): each maps
-    this rank's microbatches to its mean loss (0 on pipeline ranks without the last stage)."""
+    this rank's microbatches to its mean loss (0 on pipeline ranks without the last stage). `mark`
+    is told each phase the step enters (the watchdog's)."""
     pp_group = dims.view("pp").get_group() if dims.pp_enabled else None
     owners = stage_owners(dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
     pp_rank = dims.view("pp").get_local_rank()
@@ -83,7 +84,7 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
         return total
 
     if not dims.pp_enabled:
-        return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel), eval_fn
+        return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel, mark=mark), eval_fn
     # Accumulation steps are more microbatches of one schedule run: FSDP gathers and reduce-scatters
     # once a step, and the pipeline fills and drains once.
     n_microbatches = job.training.grad_accum_steps * dims.pp_microbatches
@@ -96,7 +97,7 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
     schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, pp_group, device,
                               n_microbatches, loss_fn)
     step = partial(pipeline_step, schedule, device=device, loss_parallel=loss_parallel, first=0 in stages,
-                   last=n_stages - 1 in stages)
+                   last=n_stages - 1 in stages, mark=mark)
     return step, eval_fn
 
 
@@ -109,28 +110,31 @@ def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) 
             f"({held_mib:.1f} MiB, 1/{total / held:.2f})")
 
 
-def train_step(model, microbatches: list, *, device: torch.device, loss_parallel: bool) -> torch.Tensor:
+def train_step(model, microbatches: list, *, device: torch.device, loss_parallel: bool, mark) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns their mean loss."""
     total = torch.zeros((), device=device)
     for i, (inputs, labels, positions) in enumerate(microbatches):
         # Gradients are reduced across data-parallel ranks once, after the last microbatch.
         model.set_requires_gradient_sync(i == len(microbatches) - 1)
         with loss_parallel_context(loss_parallel):
+            mark(f"forward (microbatch {i + 1} of {len(microbatches)})")
             logits = model(inputs.to(device), positions.to(device))
             loss = cross_entropy(logits, labels.to(device)) / len(microbatches)
+            mark(f"backward (microbatch {i + 1} of {len(microbatches)})")
             loss.backward()
         total += local_tensor(loss.detach())
     return total
 
 
 def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_parallel: bool, first: bool,
-                  last: bool) -> torch.Tensor:
+                  last: bool, mark) -> torch.Tensor:
     """One schedule run over the step's microbatches (the accumulation steps' together, in order):
     the schedule cuts them into pipeline microbatches and (on the last stage) records each one's
     already scaled loss, so they sum to the mean."""
     inputs, labels, positions = (torch.cat(parts) for parts in zip(*microbatches))
     losses: list[torch.Tensor] = []
     args = (inputs.to(device),) if first else ()
+    mark("forward and backward (pipeline schedule)")
     with loss_parallel_context(loss_parallel):
         # Every stage's blocks need the positions; the schedule splits them like the inputs.
         schedule.step(*args, target=labels.to(device) if last else None, losses=losses,

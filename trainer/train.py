@@ -19,9 +19,9 @@ from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, Prefetcher, build_dataset, document_positions
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingStopped
 from trainer.faults import Faults
-from trainer.guards import StepGuard, TrainingStopped, check_finite
+from trainer.guards import StepGuard, check_finite
 from trainer.memory import COUNTED_STEPS, TensorMemory, peak_memory_gib, peak_tensor_gib
 from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_tflops
 from trainer.optim import build_optimizer, build_scheduler, clip_and_sum_loss_
@@ -33,6 +33,7 @@ from trainer.plan import make_plan
 from trainer.plan.devices import local_device
 from trainer.rules import check_checkpoint, check_job
 from trainer.steps import build_model_parts, describe_layout, job_loss, local_tensor, make_step_fns
+from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
 def build_datasets(job: JobConfig):
@@ -59,17 +60,22 @@ def run(cfg: DictConfig) -> None:
     if dataset.vocab_size > job.model.vocab_size:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
                           f"(data.tokenizer={job.data.tokenizer})")
-    init_distributed(device)
-    lock = None
+    enable_flight_recorder(job.output_dir)
+    init_distributed(device, job.distributed.timeout_s)
+    lock = watchdog = None
     try:
         lock = OutputLock(job.output_dir, dist.get_rank())
-        train(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset, predicted)
+        watchdog = Watchdog(job.distributed.step_timeout_s, job.distributed.timeout_s, job.output_dir)
+        train(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset, predicted,
+              watchdog)
     except TrainingStopped as e:
         # Every rank reaches the same decision from the same all-reduced values; one line each.
         sys.stderr.write(f"training stopped: {e}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
     finally:
+        if watchdog is not None:
+            watchdog.close()
         if lock is not None:
             lock.release()
         shutdown()
@@ -99,9 +105,10 @@ def _planned_peak(job: JobConfig, dims: ParallelDims, device, pp_rank: int) -> t
 
 
 def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: CheckpointConfig, device: torch.device,
-          dataset, val_dataset, predicted: float | None) -> None:
+          dataset, val_dataset, predicted: float | None, watchdog: Watchdog) -> None:
     t = job.training
     dims.build_mesh(device.type)
+    watchdog.groups = dims.group_names()
     rank = dist.get_rank()
     output_dir = Path(job.output_dir)
     if rank == 0:
@@ -118,7 +125,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         if predicted is not None:
             print(f"plan: predicted peak {predicted / 2**30:.2f} GiB of tensors on rank 0", flush=True)
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
-    step_fn, eval_fn = make_step_fns(job, dims, device, parts, stages, loss_parallel)
+    step_fn, eval_fn = make_step_fns(job, dims, device, parts, stages, loss_parallel, watchdog.phase)
 
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
     dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
@@ -136,7 +143,9 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         checkpointer = Checkpointer(output_dir / "checkpoints", checkpoint.interval, checkpoint.keep_last,
                                     checkpoint.async_save, config["model"], device)
 
-    faults = Faults.from_env(rank)
+    faults = Faults.from_env(rank, job.output_dir)
+    if checkpointer is not None:
+        checkpointer.before_publish = partial(faults.hang_or_kill, "kill_save")
 
     def microbatches(loader: BatchLoader, step: int) -> list[tuple[torch.Tensor, ...]]:
         batches = loader.microbatches(step)
@@ -169,7 +178,13 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     step = last_step = start_step
     while step < t.steps:
         step += 1
-        loss = step_fn(train_batches(step - 1))
+        watchdog.step(step)
+        batches = train_batches(step - 1)
+        watchdog.phase("forward")
+        faults.hang_or_kill("hang", step)
+        loss = step_fn(batches)
+        faults.hang_or_kill("kill", step)
+        watchdog.phase("optimizer")
         sum_grads_over_tp(parts, dims)
         if faults.at("nan_grad", step):
             faults.poison(model.parameters())
@@ -183,6 +198,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if rollback and guard.spiked():
+            watchdog.slow("rollback")
             back = roll_back(state, output_dir / "checkpoints", checkpointer, log)
             if back is not None:  # on from the checkpoint's step, with the data after the spike's batch
                 position = loader.position(step)
@@ -197,9 +213,11 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
                 # Blocks run eagerly while tensors are counted: dynamo skips a frame under a dispatch
                 # mode and remembers the skip. Forgotten here, the next step compiles them.
                 torch.compiler.reset()
+                watchdog.allow_slow_step()
 
         validate = job.validation.every > 0 and step % job.validation.every == 0
         if step % job.metrics.log_every == 0 or step == t.steps or validate:
+            watchdog.phase("metrics")
             loss = job_loss(loss, dims)
             now = time.perf_counter()
             tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
@@ -222,6 +240,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
             if moe_stats is not None:
                 record |= moe_stats.report(layer_copies=dims.world_size // dims.pp)
             if validate:
+                watchdog.slow("validation")
                 val_losses = [eval_fn(microbatches(val_loader, i)) for i in range(job.validation.steps)]
                 record["val_loss"] = job_loss(torch.stack(val_losses).mean(), dims)
             logger.log(record)
@@ -230,9 +249,11 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
                     f"(predicted {predicted / 2**30:.2f})")
                 predicted = None  # said once
             last_step, last_time = step, time.perf_counter()
+        watchdog.phase("checkpoint")
         if checkpointer is not None and checkpointer.after_step(step, t.steps, partial(
-                saved_state, guard, parts, optimizer, state, step, loader.position(step))):
+                saved_state, watchdog, guard, parts, optimizer, state, step, loader.position(step))):
             break
+    watchdog.slow("finishing")
     if tensor_memory is not None:
         tensor_memory.stop()
     if t.compile and rank == 0:
@@ -243,8 +264,10 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     logger.close()
 
 
-def saved_state(guard: StepGuard, parts, optimizer, state: TrainState, step: int, position: int) -> dict:
+def saved_state(watchdog: Watchdog, guard: StepGuard, parts, optimizer, state: TrainState, step: int,
+                position: int) -> dict:
     """What a checkpoint of `step` holds, once the guards let it be saved (collective)."""
+    watchdog.slow("checkpoint")
     guard.check_stop()  # a stop pending since the last log stops here, before anything is written
     check_finite(parts, optimizer, step)
     return state.for_save(step, position)

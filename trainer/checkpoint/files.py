@@ -30,6 +30,10 @@ class CheckpointError(ConfigError):
     """A checkpoint that is missing, incomplete or damaged."""
 
 
+class SaveFailed(Exception):
+    """A rank could not write its part of a checkpoint (raised on every rank)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata and nothing else: its own classes, torch dtypes and sizes, paths."""
 
@@ -99,20 +103,31 @@ def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None
     """Collective (over `group`, default the world): checksums the files of a finished save, writes
     the manifest, renames tmp to final."""
     sums = {k: v for part in _gather(_sums(tmp, rank, world), world, group) for k, v in part.items()}
+    problem = None
     if rank == 0:
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump({"step": step, "files": sums}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # the same step saved again (a resumed run): the new one replaces it
-            old = final.with_name(final.name + ".old")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
+        try:
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump({"step": step, "files": sums}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            problem = f"{tmp / MANIFEST}: {e}"
         else:
-            tmp.rename(final)
-    if world > 1:
-        dist.barrier(group=group)
+            if final.exists():  # the same step saved again (a resumed run): the new one replaces it
+                old = final.with_name(final.name + ".old")
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(final)
+    agree(problem, world, group)
+
+
+def agree(problem: str | None, world: int, group=None) -> None:
+    """Collective, where a barrier would be: raises SaveFailed on every rank if any rank has a problem."""
+    found = [p for p in _gather(problem, world, group) if p]
+    if found:
+        raise SaveFailed(found[0])
 
 
 def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:

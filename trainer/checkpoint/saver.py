@@ -13,11 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainer.checkpoint.files import (
     MODEL_CONFIG,
     CheckpointError,
+    SaveFailed,
+    agree,
     checkpoint_steps,
     find_resume,
     publish,
@@ -26,6 +29,8 @@ from trainer.checkpoint.files import (
 )
 from trainer.checkpoint.state import TrainState, check_model, load_weights, saved_config
 from trainer.config import ModelConfig
+from trainer.distributed import gloo_group
+from trainer.errors import TrainingStopped
 
 
 def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -> tuple[int, int]:
@@ -94,16 +99,17 @@ class Checkpointer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # The stop flag is agreed on each step on the host: a gloo group (the default one if it is
         # gloo), so that no step waits for the device.
-        self.host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.host_group = None if dist.get_backend() == "gloo" else gloo_group()
         self.group = self.stager = self.background = None
         if async_save:
             # Async saves run their collectives on a group of their own, apart from training's.
-            self.group = dist.new_group(backend="gloo")
+            self.group = gloo_group()
             cuda = device.type == "cuda"
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                        use_async_staging=False, use_non_blocking_copy=cuda))
             self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.pending: tuple[int, Future] | None = None
+        self.before_publish = lambda step: None  # told when this rank's shards of `step` are written
         self.started = self.blocked = 0.0  # when the last save began; how long it held up training
         self.stop = StopSignal()
         if self.rank == 0:
@@ -130,13 +136,25 @@ class Checkpointer:
         return final.with_name(final.name + ".tmp"), final
 
     def save(self, step: int, state: dict, wait: bool = False) -> None:
+        """Collective. A save that fails on any rank (a full disk, a write error) stops training on
+        every rank, its unfinished folder removed: the newest complete checkpoint stays the newest."""
         self.wait()
+        try:
+            self._save(step, state, wait)
+        except (OSError, SaveFailed, CheckpointException) as e:
+            raise self._failed(step, e) from None
+
+    def _save(self, step: int, state: dict, wait: bool) -> None:
         self.started = time.perf_counter()
         tmp, final = self._paths(step)
+        problem = None
         if self.rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
-        dist.barrier()
+            try:
+                tmp.mkdir(parents=True, exist_ok=True)
+                OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
+            except OSError as e:
+                problem = f"{tmp}: {e}"
+        agree(problem, self.world)
         if self.async_save and not wait:
             # Copies the state to the host buffers; the rest goes on in the background.
             written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager)
@@ -145,10 +163,12 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=tmp)
             self.blocked = None
+            self.before_publish(step)
             self._publish(step)
 
     def _publish_when_written(self, step: int, written: Future) -> None:
         written.result()
+        self.before_publish(step)
         self._publish(step, self.group)
 
     def wait(self) -> None:
@@ -156,7 +176,23 @@ class Checkpointer:
         if self.pending is not None:
             step, future = self.pending
             self.pending = None
-            future.result()
+            try:
+                future.result()
+            except (OSError, SaveFailed, CheckpointException) as e:
+                raise self._failed(step, e) from None
+
+    def _failed(self, step: int, error: BaseException) -> TrainingStopped:
+        """Removes the save of `step` that failed with `error`; returns the error to stop with."""
+        if isinstance(error, CheckpointException):  # DCP's, holding each failed rank's exception
+            error = next(iter(error.failures.values()))[0]
+        # A full disk shows as ENOSPC, or as a short write deep in torch.save: say how full it is.
+        free = shutil.disk_usage(self.folder).free / 2**20
+        if self.rank == 0:
+            shutil.rmtree(self._paths(step)[0], ignore_errors=True)
+        saved = checkpoint_steps(self.folder)
+        kept = f"the newest checkpoint is still {saved[-1][1]}" if saved else "no checkpoint was saved before it"
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return TrainingStopped(f"step {step}: checkpoint not saved ({cause}; {free:.1f} MiB free on its disk); {kept}")
 
     def _publish(self, step: int, group=None) -> None:
         tmp, final = self._paths(step)

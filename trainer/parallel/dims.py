@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainer.distributed import set_timeouts
+
 
 # Outermost first: tp is innermost so its ranks are neighbours (inside one node).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -105,7 +107,19 @@ class ParallelDims:
             self._expert_mesh = experts["ep", "expert_tp"]
             self._expert_fsdp_mesh = experts["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate_enabled \
                 else experts["dp_shard_mod_ep"]
+        extra = (self._hsdp_mesh, self._expert_mesh, self._expert_fsdp_mesh)
+        set_timeouts([self._mesh, *self._views.values(), *(mesh for mesh in extra if mesh is not None)])
         return self._mesh
+
+    def group_names(self) -> dict[str, str]:
+        """The mesh dimensions and views each process group of more than one rank serves, by the
+        group's name: e.g. {"1": "dp_shard/dp/dp_shard_cp/dp_cp"}."""
+        names: dict[str, list[str]] = {}
+        for name in (*MESH_DIMS, *self._views):
+            view = self.view(name)
+            if view.size() > 1:
+                names.setdefault(view.get_group().group_name, []).append(name)
+        return {group: "/".join(views) for group, views in names.items()}
 
     def view(self, name: str) -> DeviceMesh:
         """A 1-D submesh: one of MESH_DIMS or one of the flattened FLAT_VIEWS (and, for a
