@@ -26,7 +26,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.data.cache import TokenWriter  # noqa: E402
-from trainer.data.files import documents  # noqa: E402
+from trainer.data.files import Problems, documents  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.tokenizer import CHUNK_CHARS, build_tokenizer, encode_pieces, pieces  # noqa: E402
 
@@ -52,7 +52,8 @@ def _tokenize(group: list, spec: str) -> tuple[np.ndarray, int]:
 
 def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: str, workers: int) -> dict:
     tok = build_tokenizer(tokenizer)
-    groups = _groups(pieces(documents(source, pattern, text_field)))
+    problems = Problems(strict=False)
+    groups = _groups(pieces(documents(source, pattern, text_field, problems)))
     started = time.perf_counter()
     with Pool(workers) as pool, TokenWriter(out, tok) as writer, \
             tqdm(unit="char", unit_scale=True, desc="tokenizing") as bar:
@@ -73,6 +74,8 @@ def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: st
             write(pending.popleft())
         meta = writer.finish(tokenizer=tokenizer, source=source, path=pattern, text_field=text_field)
     seconds = time.perf_counter() - started
+    for line in problems.lines():
+        print(line)
     tokens = meta["tokens"]
     print(f"{tokens:,} tokens in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s ({workers} workers) -> {out}")
     return meta

@@ -203,6 +203,40 @@ def test_json_jsonl_and_parquet_rows_are_documents(tmp_path):
         build_dataset(DataConfig(source="json", path=str(tmp_path / "a.jsonl")), seq_len=16, seed=0)
 
 
+def test_unreadable_parts_of_files_are_counted_and_passed_over(tmp_path, capsys):
+    """Undecodable bytes (read as U+FFFD), malformed JSON lines, rows without the text field and
+    empty files are counted per file and said once (again by each job reading the cached tokens);
+    the rest reads as usual. data.strict=true refuses the first of them, naming file and place."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_bytes(b"good text " * 20)
+    (tmp_path / "t" / "b.txt").write_bytes(b"caf\xe9 and \xff more. " * 10)  # latin-1: 20 bad bytes
+    (tmp_path / "t" / "c.txt").write_bytes(b"")
+    lines = [{"text": "row one " * 5}, "{not json", {"id": 3}, ["a list"], {"text": "row two " * 5}]
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
+    (tmp_path / "j" / "b.jsonl").write_text("\n\n")
+    t, j = tmp_path / "t", tmp_path / "j"
+    for _ in range(2):  # tokenized, then read from the cache
+        texts = build_dataset(DataConfig(source="text", path=str(t / "*.txt")), seq_len=16, seed=0, split="all")
+        rows = build_dataset(DataConfig(source="json", path=str(j / "*.jsonl")), seq_len=16, seed=0, split="all")
+        said = capsys.readouterr().out
+        assert (f"data: passed over 20 bytes that are not UTF-8 (read as U+FFFD): {t}/b.txt: 20 (the first at byte 3) "
+                f"(of data.path={t}/*.txt; data.strict=true refuses them)") in said, said
+        assert f"data: passed over 1 empty files: {t}/c.txt (of data.path={t}/*.txt;" in said
+        assert f"data: passed over 2 lines that are not a JSON object: {j}/a.jsonl: 2 (the first at line 2)" in said
+        assert f"data: passed over 1 rows without a text in data.text_field: {j}/a.jsonl: 1 (the first at row 2)" in said
+        assert f"data: passed over 1 empty files: {j}/b.jsonl" in said
+    assert texts.tokens.size == 200 + len("caf\ufffd and \ufffd more. ".encode()) * 10 + 2  # and an EOS each
+    assert rows.tokens.size == 2 * (40 + 1)
+    for path, message in ((t / "b.txt", "b.txt at byte 3: bytes that are not UTF-8"),
+                          (j / "a.jsonl", "a.jsonl at line 2: not a JSON object")):
+        with pytest.raises(ConfigError, match=f"data.strict=true: .*{message}"):
+            build_dataset(DataConfig(source="json" if path.suffix == ".jsonl" else "text", path=str(path), strict=True,
+                                     cache_dir=str(tmp_path / "fresh")), seq_len=16, seed=0)
+    with pytest.raises(ConfigError, match="data.strict=true: .*a.jsonl at line 2: not a JSON object"):  # cached leniently
+        build_dataset(DataConfig(source="json", path=str(j / "*.jsonl"), strict=True), seq_len=16, seed=0)
+
+
 def test_hub_dataset_streams_in_order_each_rank_its_shard(tmp_path):
     """data.source=hub streams a dataset by name (here a local folder, as the Hub would serve it):
     the first windows are the validation split and training leaves their documents out; each

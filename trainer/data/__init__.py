@@ -40,7 +40,8 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
         return EmbeddedText(seq_len, seed if split == "train" else seed + 7919)
     what = f"data.path={data.path}"
     if data.source in ("text", "json", "parquet"):
-        tokens, meta = cached_tokens(data.source, data.path, data.text_field, data.tokenizer, data.cache_dir)
+        tokens, meta = cached_tokens(data.source, data.path, data.text_field, data.tokenizer, data.cache_dir,
+                                     data.strict)
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     if data.source == "binary":
         if not data.path:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.files import TokenFile, documents, read_token_file, text_paths
+from trainer.data.files import Problems, TokenFile, documents, read_token_file, text_paths
 from trainer.errors import ConfigError
 from trainer.tokenizer import build_tokenizer, encode_documents
 
-CACHE_FORMAT = 1  # bumped when the tokens written for the same input would change
+CACHE_FORMAT = 2  # bumped when the tokens written for the same input would change (2: empty files skipped)
 
 
 class TokenWriter:
@@ -65,9 +65,10 @@ def cache_folder(cache_dir: str | None) -> Path:
 
 
 def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec: str,
-                  cache_dir: str | None) -> tuple[TokenFile, dict]:
+                  cache_dir: str | None, strict: bool = False) -> tuple[TokenFile, dict]:
     """The token stream of local text/json/parquet files, read from the cache (tokenized
-    into it first by whichever process gets there first)."""
+    into it first by whichever process gets there first). What the tokenizing passed over is kept
+    with the cache and said again by each job that reads it (refused under `strict`)."""
     tokenizer = build_tokenizer(tokenizer_spec)
     files = [[str(Path(p).resolve()), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in text_paths(path, source)]
     made_of = {"format": CACHE_FORMAT, "source": source, "text_field": text_field,
@@ -85,17 +86,26 @@ def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec
             fcntl.flock(lock, fcntl.LOCK_EX)  # one process tokenizes; the others wait for its file
             if not Path(f"{out}.json").is_file():
                 print(f"data: tokenizing {len(files)} file(s) of data.path={path} once, into {out}", flush=True)
-                _tokenize(out, tokenizer, source, path, text_field, tokenizer_spec)
+                _tokenize(out, tokenizer, source, path, text_field, tokenizer_spec, strict)
     tokens, meta = read_token_file(out, f"the token cache {out} (of data.path={path})")
     check_tokenizer(meta, tokenizer, f"the token cache {out} (of data.path={path})", "delete it")
+    if meta.get("problems") and strict:  # cached by a lenient job: read again, to name the first problem
+        for _ in documents(source, path, text_field, Problems(strict=True)):
+            pass
+    if os.environ.get("RANK", "0") == "0":
+        for line in meta.get("problems", []):
+            print(f"{line} (of data.path={path}; data.strict=true refuses them)", flush=True)
     return tokens, meta
 
 
-def _tokenize(out: Path, tokenizer, source: str, path: str, text_field: str, tokenizer_spec: str) -> None:
+def _tokenize(out: Path, tokenizer, source: str, path: str, text_field: str, tokenizer_spec: str,
+              strict: bool) -> None:
+    problems = Problems(strict)
     with TokenWriter(out, tokenizer) as writer:
-        for ids in encode_documents(documents(source, path, text_field), tokenizer):
+        for ids in encode_documents(documents(source, path, text_field, problems), tokenizer):
             writer.write(ids)
-        writer.finish(tokenizer=tokenizer_spec, source=source, path=path, text_field=text_field)
+        writer.finish(tokenizer=tokenizer_spec, source=source, path=path, text_field=text_field,
+                      problems=problems.lines())
 
 
 def check_tokenizer(meta: dict, tokenizer, what: str, remedy: str) -> None:

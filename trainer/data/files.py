@@ -4,6 +4,7 @@ scripts/prepare_data.py or the token cache), read window by window."""
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import weakref
@@ -23,24 +24,136 @@ def text_paths(pattern: str | None, source: str = "text") -> list[str]:
     return paths
 
 
-def documents(source: str, path: str | None, text_field: str = "text") -> Iterator[str]:
-    """The documents of local files: each text file is one; each row of json, jsonl or parquet
-    files (read with Hugging Face `datasets`) is one, its text in the column `text_field`."""
+def documents(source: str, path: str | None, text_field: str = "text", problems: Problems | None = None) -> Iterator[str]:
+    """The documents of local files: each text file is one; each row of json/jsonl files (JSON lines,
+    or one JSON array; .gz too) or parquet files (read with Hugging Face `datasets`) is one, its text
+    in the column `text_field`. What cannot be read is passed over and counted in `problems`."""
     paths = text_paths(path, source)
+    problems = problems if problems is not None else Problems(strict=False)
     if source == "text":
-        return (Path(p).read_text(errors="replace") for p in paths)
+        return filter(None, (_text_file(p, problems) for p in paths))
+    if source == "json":
+        return (text for p in paths for text in row_texts(json_rows(p, problems), text_field, p, problems))
     import datasets
 
-    builder = {"json": "json", "parquet": "parquet"}[source]
-    rows = datasets.load_dataset(builder, data_files=paths, split="train", streaming=True)
-    return row_texts(rows, text_field, f"data.path={path}")
+    def parquet_rows(p: str) -> Iterable[dict]:
+        return datasets.load_dataset("parquet", data_files=[p], split="train", streaming=True)
+
+    return (text for p in paths for text in row_texts(parquet_rows(p), text_field, p, problems))
 
 
-def row_texts(rows: Iterable[dict], field: str, what: str) -> Iterator[str]:
-    for row in rows:
-        if field not in row:
-            raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are {sorted(row)}")
-        yield row[field]
+class Problems:
+    """What reading a user's data met: counted per kind and file, and passed over, or with
+    data.strict=true refused at the first one. `live` (a stream read during training) says each
+    kind when its count reaches 1, 10, 100, ...; else lines() sums them up once."""
+
+    KINDS = {  # kind: (one, many)
+        "undecodable": ("bytes that are not UTF-8", "bytes that are not UTF-8 (read as U+FFFD)"),
+        "malformed": ("not a JSON object", "lines that are not a JSON object"),
+        "no_text": ("no text in data.text_field", "rows without a text in data.text_field"),
+        "empty": ("an empty file", "empty files"),
+    }
+
+    def __init__(self, strict: bool, live: bool = False):
+        self.strict, self.live = strict, live
+        self.found: dict[str, dict[str, list]] = {}  # kind -> file -> [count, where the first was]
+
+    def add(self, kind: str, file: str, where: str = "", count: int = 1) -> None:
+        """`count` of `kind` in `file`, the first of them `where` (e.g. " at line 12")."""
+        if self.strict:
+            raise ConfigError(f"data.strict=true: {file}{where}: {self.KINDS[kind][0]}")
+        entry = self.found.setdefault(kind, {}).setdefault(file, [0, where])
+        entry[0] += count
+        total = sum(n for n, _ in self.found[kind].values())
+        if self.live and len(str(total)) > len(str(total - count)):  # reached a power of 10
+            print(self._line(kind), flush=True)
+
+    def _line(self, kind: str) -> str:
+        files = sorted(self.found[kind].items(), key=lambda item: -item[1][0])
+        total = sum(n for _, (n, _) in files)
+        if kind == "empty":
+            each = ", ".join(f for f, _ in files[:3])
+        else:
+            each = "; ".join(f"{f}: {n}" + (f" (the first{w})" if w else "") for f, (n, w) in files[:3])
+        more = f"; {len(files) - 3} more file(s)" if len(files) > 3 else ""
+        return f"data: passed over {total} {self.KINDS[kind][1]}: {each}{more}"
+
+    def lines(self) -> list[str]:
+        return [self._line(kind) for kind in self.found]
+
+
+def _decode(raw: bytes, file: str, where: str, problems: Problems) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8", errors="replace")
+        problems.add("undecodable", file, f"{where or ' at'} byte {e.start}",
+                     text.count("\ufffd") - raw.count("\ufffd".encode()))
+        return text
+
+
+def _text_file(path: str, problems: Problems) -> str | None:
+    raw = Path(path).read_bytes()
+    if not raw.strip():
+        problems.add("empty", path)
+        return None
+    # Line ends as reading in text mode gives them.
+    return _decode(raw, path, "", problems).replace("\r\n", "\n").replace("\r", "\n")
+
+
+def json_rows(path: str, problems: Problems) -> Iterator[dict]:
+    """The objects of a JSON-lines file, or of a file holding one JSON array; anything else counted."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if not head:
+            problems.add("empty", path)
+            return
+        if head.startswith(b"["):
+            try:
+                items = json.loads(_decode(f.read(), path, "", problems))
+            except ValueError as e:
+                problems.add("malformed", path, f" ({e})")
+                return
+            lines = enumerate(items, 1)
+        else:
+            lines = ((n, line) for n, line in enumerate(f, 1) if line.strip())
+        for number, line in lines:
+            row = line
+            if isinstance(line, bytes):
+                try:
+                    row = json.loads(_decode(line, path, f" at line {number},", problems))
+                except ValueError:
+                    row = None
+            if isinstance(row, dict):
+                yield row
+            else:
+                problems.add("malformed", path, f" at {'line' if isinstance(line, bytes) else 'item'} {number}")
+
+
+# A source whose first rows all lack data.text_field names a column it does not have: a config
+# error, not rows to pass over.
+FIELD_CHECK_ROWS = 100
+
+
+def row_texts(rows: Iterable[dict], field: str, what: str, problems: Problems) -> Iterator[str]:
+    """The texts in column `field` of the rows of `what` (a file, or a dataset); rows without one
+    are counted in `problems`."""
+    texts, columns = 0, None
+    for number, row in enumerate(rows, 1):
+        text = row.get(field)
+        if isinstance(text, str):
+            texts += 1
+            yield text
+            continue
+        columns = columns or sorted(row)
+        if texts == 0 and number == FIELD_CHECK_ROWS:
+            break
+        problems.add("no_text", what, f" at row {number}")
+    else:
+        if columns is None or texts:
+            return
+    raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are {columns}")
 
 
 class TokenFile:

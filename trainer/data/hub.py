@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.files import row_texts
+from trainer.data.files import Problems, row_texts
 from trainer.errors import ConfigError
 from trainer.tokenizer import build_tokenizer, encode_documents
 
@@ -36,6 +36,7 @@ class HubStream(Dataset):
                  held_out: frozenset | None = None):
         self.data, self.seq_len, self.split, self.shard_of = data, seq_len, split, shard
         self.tokenizer = build_tokenizer(data.tokenizer)
+        self.problems = Problems(data.strict, live=True)
         self.vocab_size, self.eos_id = self.tokenizer.vocab_size, self.tokenizer.eos_id
         self.windows = None
         if split != "all" and held_out is None:
@@ -62,7 +63,7 @@ class HubStream(Dataset):
             rows = datasets.load_dataset(name, self.data.subset, split=self.data.split, streaming=True)
             if world > 1:
                 rows = split_dataset_by_node(rows, rank=rank, world_size=world)
-            texts = row_texts(rows, self.data.text_field, what)
+            texts = row_texts(rows, self.data.text_field, what, self.problems)
             if not whole and self.held_out:
                 texts = (text for text in texts if _digest(text) not in self.held_out)
             first = next(texts)
