@@ -255,23 +255,27 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
     assert difference <= EXACT
 
 
-def test_torchrun_restarts_a_rank_killed_mid_save_and_mid_step(reference, tmp_path):
-    """A non-zero rank is killed (SIGKILL) while step 6's checkpoint is being written, and, in the
-    restarted job, after step 8's backward. Each time torchrun restarts the job, which resumes from
-    the newest complete checkpoint (3, then 6): the half-written step 6 is never loaded, and every
-    step's loss is the uninterrupted run's."""
+def test_torchrun_restarts_a_rank_killed_mid_save_or_mid_step_or_stuck(reference, tmp_path):
+    """A non-zero rank is killed (SIGKILL) while step 6's checkpoint is being written; in the
+    restarted job, killed after step 8's backward; in the next, stuck at the start of step 9 (the
+    watchdog stops every rank). Each time torchrun restarts the job, which resumes from the newest
+    complete checkpoint (3, 6, 6): the half-written step 6 is never loaded, and every step's loss is
+    the uninterrupted run's."""
     out = tmp_path / "run"
     victim = random.randrange(1, 2)  # a non-zero rank of 2
-    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3", output_dir=out,
-                    launcher_args=("--max-restarts=2",), env={"TRAINER_FAULTS": f"kill_save@6:{victim},kill@8:{victim}"})
+    faults = f"kill_save@6:{victim},kill@8:{victim},hang@9:{victim}"
+    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3", "distributed.step_timeout_s=5",
+                    output_dir=out, launcher_args=("--max-restarts=3",), env={"TRAINER_FAULTS": faults})
     assert finish(process) == 0, (tmp_path / "run.log").read_text()[-3000:]
     log = (tmp_path / "run.log").read_text()
     resumed = [int(line.split("/step_")[1].split()[0]) for line in log.splitlines() if "resumed from" in line]
-    assert resumed == [3, 6], log[-3000:]
-    assert sorted(p.name for p in (out / "faults").iterdir()) == [f"kill@8.rank{victim}", f"kill_save@6.rank{victim}"]
+    assert resumed == [3, 6, 6], log[-3000:]
+    assert f"watchdog: rank {victim}: step 9, phase forward: no progress for " in log
+    assert sorted(p.name for p in (out / "faults").iterdir()) == [
+        f"hang@9.rank{victim}", f"kill@8.rank{victim}", f"kill_save@6.rank{victim}"]
     difference = largest_difference(read_metrics(out), reference[1], 1)
-    print(f"rank {victim} killed mid-save at step 6 and mid-step at step 8: resumed from steps {resumed} "
-          f"(3 and 2 steps lost), largest relative loss difference {difference:.1e}")
+    print(f"rank {victim} killed mid-save at step 6, mid-step at step 8, stuck at step 9: resumed from steps "
+          f"{resumed} (3, 2 and 2 steps run again), largest relative loss difference {difference:.1e}")
     assert difference <= EXACT
 
 

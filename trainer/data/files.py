@@ -24,7 +24,8 @@ def text_paths(pattern: str | None, source: str = "text") -> list[str]:
     return paths
 
 
-def documents(source: str, path: str | None, text_field: str = "text", problems: Problems | None = None) -> Iterator[str]:
+def documents(source: str, path: str | None, text_field: str = "text",
+              problems: Problems | None = None) -> Iterator[str]:
     """The documents of local files: each text file is one; each row of json/jsonl files (JSON lines,
     or one JSON array; .gz too) or parquet files (read with Hugging Face `datasets`) is one, its text
     in the column `text_field`. What cannot be read is passed over and counted in `problems`."""
@@ -150,10 +151,8 @@ def row_texts(rows: Iterable[dict], field: str, what: str, problems: Problems) -
         if texts == 0 and number == FIELD_CHECK_ROWS:
             break
         problems.add("no_text", what, f" at row {number}")
-    else:
-        if columns is None or texts:
-            return
-    raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are {columns}")
+    if columns is not None and texts == 0:
+        raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are {columns}")
 
 
 class TokenFile:
