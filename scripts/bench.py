@@ -55,7 +55,8 @@ def run_trainer(recipe: str, ranks: int, threads: int, steps: int, warmup: int, 
 
 
 def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) -> dict:
-    """The baseline: the same model and batch shape, trained by the simplest PyTorch loop."""
+    """The baseline: the same model and batch shape, trained by the simplest PyTorch loop (under
+    bf16 autocast when the overrides set training.mixed_precision.param_dtype=bfloat16)."""
     import torch
     import torch.nn.functional as F
     from hydra import compose, initialize_config_dir
@@ -73,11 +74,13 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     model = build_model(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr)
     tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq_len + 1))
+    bf16 = cfg.training.mixed_precision.param_dtype == "bfloat16"
     rates = []
     for step in range(steps):
         start = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -87,7 +90,7 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     tokens_per_s = statistics.median(rates)
     peak = measure_cpu_tflops()
     return {
-        "name": "plain PyTorch loop", "ranks": 1, "threads_per_rank": threads, "tokens_per_s": tokens_per_s,
+        "name": "plain PyTorch loop" + (" (bf16 autocast)" if bf16 else ""), "ranks": 1, "threads_per_rank": threads, "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token(cfg.model, seq_len) / (peak * 1e12),
         "mem_gib": peak_memory_gib(torch.device("cpu")),
         "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
