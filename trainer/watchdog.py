@@ -42,9 +42,9 @@ def enable_flight_recorder(output_dir: str) -> None:
 
 
 def flight_record(json_form: bool):
-    """This process's flight-recorder record: JSON text, or the pickle torch's analyzer reads
-    (`python -m torch.distributed.flight_recorder.fr_trace DIR`). The dump functions are private in
-    torch 2.13; kept to this one function. None when the recorder is off or unavailable."""
+    """This process's flight-recorder record: JSON text, or the pickle NCCL's own dumps are. The
+    dump functions are private in torch 2.13; kept to this one function. None when the recorder is
+    off or unavailable."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
         return _dump_fr_trace_json(True, False) if json_form else _dump_fr_trace(True, True, False)
@@ -70,7 +70,7 @@ def last_collectives(now_ns: int, groups: dict[str, str]) -> list[str]:
         age = (now_ns - e["time_created_ns"]) / 1e9
         lines.append(f"{group}: {op} #{seq} of shape {shapes} {', '.join(e.get('input_dtypes', []))}, "
                      f"entered {age:.1f}s ago")
-    return lines
+    return lines or ["(none yet)"]
 
 
 def thread_stacks() -> str:
