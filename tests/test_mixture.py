@@ -74,7 +74,7 @@ def test_bad_mixtures_are_config_errors(tmp_path):
          r"data.mix\[1\].weight=0 must be > 0"),
         ([MixSource(path=paths[0], weight=-1)], {}, r"data.mix\[0\].weight=-1 must be > 0"),
         ([MixSource(path=paths[0]), MixSource(path=str(tmp_path / "empty.txt"))], {},
-         r"data.mix\[1\]: data.path=.*empty.txt holds 1 tokens, too few"),
+         r"data.mix\[1\]: data.path=.*empty.txt holds 0 tokens, too few"),
         ([MixSource(path=str(tmp_path / "none*.txt"))], {}, r"data.mix\[0\]: data.path=.*none\*.txt matches no"),
         ([MixSource(path=paths[0])], {"path": paths[1]}, r"data.path=.* and data.mix exclude each other"),
     ]
