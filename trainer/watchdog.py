@@ -96,8 +96,7 @@ class Watchdog:
         self.current, self.name = 0, "start-up"
         self.groups: dict[str, str] = {}  # the mesh dimensions of each process group, once there is a mesh
         self.started = time.monotonic()
-        self.limit = ("distributed.timeout_s", timeout_s)
-        self.deadline = self.started + timeout_s
+        self.limit = ("distributed.timeout_s", timeout_s)  # the key and the seconds the current step may take
         self.stopped = threading.Event()
         self.first = True
         if step_timeout_s is not None:
@@ -112,7 +111,6 @@ class Watchdog:
             self.limit = ("distributed.timeout_s", self.timeout_s)
         else:
             self.limit = ("distributed.step_timeout_s", self.step_timeout_s)
-        self.deadline = self.started + self.limit[1]
 
     def allow_slow_step(self) -> None:
         """The next step may take `timeout_s`, like the first (it compiles again)."""
@@ -124,7 +122,6 @@ class Watchdog:
     def slow(self, name: str) -> None:
         self.name, self.started = name, time.monotonic()
         self.limit = ("distributed.timeout_s", self.timeout_s)
-        self.deadline = self.started + self.timeout_s
 
     def close(self) -> None:
         self.stopped.set()
@@ -132,7 +129,7 @@ class Watchdog:
     def _watch(self) -> None:
         poll = min(5.0, self.step_timeout_s / 10)
         while not self.stopped.wait(poll):
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > self.started + self.limit[1]:
                 self._fire()
 
     def _fire(self) -> None:

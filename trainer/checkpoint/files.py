@@ -103,28 +103,37 @@ def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None
     """Collective (over `group`, default the world): checksums the files of a finished save, writes
     the manifest, renames tmp to final."""
     sums = {k: v for part in _gather(_sums(tmp, rank, world), world, group) for k, v in part.items()}
+
+    def write_manifest() -> None:
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump({"step": step, "files": sums}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def rename() -> None:
+        if final.exists():  # the same step saved again (a resumed run): the new one replaces it
+            old = final.with_name(final.name + ".old")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+
+    on_rank_0(write_manifest, tmp / MANIFEST, rank, world, group, then=rename)
+
+
+def on_rank_0(work, where: Path, rank: int, world: int, group=None, then=None) -> None:
+    """Collective, where a barrier would be: rank 0 does `work` (file work), then `then` if it
+    succeeded; an OSError in `work` raises SaveFailed on every rank, naming `where`."""
     problem = None
     if rank == 0:
         try:
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump({"step": step, "files": sums}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
+            work()
         except OSError as e:
-            problem = f"{tmp / MANIFEST}: {e}"
+            problem = f"{where}: {e}"
         else:
-            if final.exists():  # the same step saved again (a resumed run): the new one replaces it
-                old = final.with_name(final.name + ".old")
-                final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old)
-            else:
-                tmp.rename(final)
-    agree(problem, world, group)
-
-
-def agree(problem: str | None, world: int, group=None) -> None:
-    """Collective, where a barrier would be: raises SaveFailed on every rank if any rank has a problem."""
+            if then is not None:
+                then()
     found = [p for p in _gather(problem, world, group) if p]
     if found:
         raise SaveFailed(found[0])

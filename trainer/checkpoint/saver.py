@@ -20,9 +20,9 @@ from trainer.checkpoint.files import (
     MODEL_CONFIG,
     CheckpointError,
     SaveFailed,
-    agree,
     checkpoint_steps,
     find_resume,
+    on_rank_0,
     publish,
     rank_world,
     verify,
@@ -147,14 +147,12 @@ class Checkpointer:
     def _save(self, step: int, state: dict, wait: bool) -> None:
         self.started = time.perf_counter()
         tmp, final = self._paths(step)
-        problem = None
-        if self.rank == 0:
-            try:
-                tmp.mkdir(parents=True, exist_ok=True)
-                OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
-            except OSError as e:
-                problem = f"{tmp}: {e}"
-        agree(problem, self.world)
+
+        def start_folder() -> None:
+            tmp.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
+
+        on_rank_0(start_folder, tmp, self.rank, self.world)
         if self.async_save and not wait:
             # Copies the state to the host buffers; the rest goes on in the background.
             written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager)
