@@ -105,6 +105,9 @@ class TrainingConfig:
     seq_len: int = 2048
     global_batch_size: int = 8
     grad_accum_steps: int = 1
+    # Sequences per data-parallel rank in one forward-backward; set, it fixes grad_accum_steps from the
+    # global batch (more accumulation on fewer ranks: what an elastic job wants). null: from grad_accum_steps.
+    micro_batch_size: Optional[int] = None
     lr: float = 3e-4
     warmup_steps: int = 100
     weight_decay: float = 0.1

@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingStopped
 
 
 def world_size() -> int:
@@ -48,7 +48,44 @@ def init_distributed(device: torch.device, timeout_s: float = 1800) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=_timeout)
+    try:
+        store = _attempt_store()
+        if store is None:
+            dist.init_process_group(backend, timeout=_timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=_timeout)
+    except (RuntimeError, dist.DistError) as e:  # a timeout, or a peer that went away while joining
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TrainingStopped(f"rank {os.environ['RANK']} could not join the job's process group (restart "
+                              f"{restart_count()}, distributed.timeout_s={timeout_s:g}): {reason}") from None
+
+
+def restart_count() -> int:
+    """torchrun's count of restarts after a failure (0: the first attempt; a node joining an elastic
+    job restarts the ranks without counting)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def max_restarts() -> int:
+    """How many restarts torchrun allows this job (--max-restarts; 0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+
+
+def _attempt_store() -> dist.Store | None:
+    """The store of this attempt's process groups when torchrun shares its own with the ranks.
+
+    torchrun's agent keeps its store across restarts (always with `--master_port`; with c10d unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and torch names groups' keys the same in every attempt:
+    a restarted rank would read the dead attempt's addresses and never connect. A prefix per attempt
+    keeps them apart. A restart after a failure raises the count; a node joining restarts without
+    raising it but always with a larger world, so the pair names each attempt once.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=_timeout)
+    return dist.PrefixStore(f"trainer/restart_{restart_count()}/world_{world_size()}/", store)
 
 
 def gloo_group() -> dist.ProcessGroup:

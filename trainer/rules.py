@@ -9,6 +9,7 @@ Rules that need the data (the tokenizer's vocabulary) stay with the data.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 from pathlib import Path
@@ -28,7 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def check_job(job: JobConfig, world: int) -> ParallelDims:
-    """Checks `job` for a world of `world` ranks; returns its layout with every `-1` resolved."""
+    """Checks `job` for a world of `world` ranks; returns its layout with every `-1` resolved (and sets
+    job.training.grad_accum_steps where micro_batch_size gives it)."""
     check_model(job.model)
     dims = resolve_layout(job.parallel, job.model, job.training, world)
     if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
@@ -152,32 +154,38 @@ def compile_missing(device: str) -> str | None:
 
 
 def resolve_layout(parallel, model, training, world_size: int) -> ParallelDims:
-    """The layout of `parallel` on `world_size` ranks: `-1` degrees resolved, every degree rule checked."""
+    """The layout of `parallel` on `world_size` ranks: `-1` degrees resolved, every degree rule
+    checked, and `training.grad_accum_steps` derived when `training.micro_batch_size` is set."""
     degrees = {k: getattr(parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
     for key, value in degrees.items():
-        if value == 0 or value < -1 or (value == -1 and key not in ("dp_shard", "ep")):
-            rule = "must be >= 1 or -1 (the rest)" if key in ("dp_shard", "ep") else "must be >= 1"
+        if value == 0 or value < -1 or (value == -1 and key not in ("dp_replicate", "dp_shard", "ep")):
+            rule = "must be >= 1 or -1 (the rest)" if key in ("dp_replicate", "dp_shard", "ep") else "must be >= 1"
             raise ConfigError(f"parallel.{key}={value} {rule}")
+    if degrees["dp_replicate"] == degrees["dp_shard"] == -1:
+        raise ConfigError("parallel.dp_replicate=-1 and parallel.dp_shard=-1: only one of them can take the rest")
     _check_model_rules(degrees, parallel, model, training)
 
-    others = degrees["dp_replicate"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
-    if degrees["dp_shard"] == -1:
-        if world_size % others:
-            raise ConfigError(
-                f"parallel.dp_shard=-1 needs the world size {world_size} to be divisible by "
-                f"pp*dp_replicate*cp*tp={others}"
-            )
-        degrees["dp_shard"] = world_size // others
-    product = others * degrees["dp_shard"]
+    for key in ("dp_replicate", "dp_shard"):
+        if degrees[key] == -1:
+            others = math.prod(v for k, v in degrees.items() if k not in (key, "ep"))
+            if world_size % others:
+                names = "*".join(k for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if k != key)
+                raise ConfigError(f"parallel.{key}=-1 needs the world size {world_size} to be divisible by "
+                                  f"{names}={others}")
+            degrees[key] = world_size // others
+    product = math.prod(degrees[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     if product != world_size:
         raise ConfigError(
             f"parallel: pp*dp_replicate*dp_shard*cp*tp={product} must equal the world size {world_size} "
             f"(pp={degrees['pp']}, dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']}, "
-            f"cp={degrees['cp']}, tp={degrees['tp']})"
+            f"cp={degrees['cp']}, tp={degrees['tp']}); for a job whose world size can change (an elastic "
+            f"launch, a restart on fewer or more nodes), set parallel.dp_shard=-1 or parallel.dp_replicate=-1"
         )
     _resolve_ep(degrees, model)
 
     dims = ParallelDims(world_size=world_size, moe=model.n_experts > 0, **degrees)
+    if training.micro_batch_size is not None:
+        training.grad_accum_steps = _grad_accum_steps(training, dims.dp)
     per_step = dims.dp * training.grad_accum_steps
     if training.global_batch_size % per_step:
         raise ConfigError(
@@ -241,6 +249,21 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
         if model.tie_embeddings:
             raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
                               f"are split on different dimensions")
+
+
+def _grad_accum_steps(training, dp: int) -> int:
+    """The accumulation steps that make up the global batch from micro_batch_size sequences per
+    data-parallel rank: more of them when the world shrinks, fewer when it grows."""
+    micro = training.micro_batch_size
+    if micro < 1:
+        raise ConfigError(f"training.micro_batch_size={micro} must be >= 1 (or null: from grad_accum_steps)")
+    if training.grad_accum_steps != 1:
+        raise ConfigError(f"training.grad_accum_steps={training.grad_accum_steps} and training.micro_batch_size="
+                          f"{micro}: set one of them (the other follows from the global batch)")
+    if training.global_batch_size % (dp * micro):
+        raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be divisible by "
+                          f"dp*micro_batch_size={dp * micro} (dp={dp}, micro_batch_size={micro})")
+    return training.global_batch_size // (dp * micro)
 
 
 def _resolve_ep(degrees: dict, model) -> None:

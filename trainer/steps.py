@@ -101,12 +101,15 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
     return step, eval_fn
 
 
-def describe_layout(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
-    """One line on what the job is split into and how much of its model (its stages, under pipeline
-    parallel) rank 0 holds."""
-    degrees = ", ".join(f"{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+def describe_layout(dims: ParallelDims) -> str:
+    """The mesh's degrees, in order: `mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1`."""
+    return "mesh " + ", ".join(f"{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+
+
+def describe_share(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
+    """How much of its model (its stages, under pipeline parallel) rank 0 holds."""
     scope = "rank 0's stages" if dims.pp_enabled else "the model"
-    return (f"mesh {degrees} | {scope}: {total / 1e6:.2f}M parameters, rank 0 holds {held / 1e6:.2f}M "
+    return (f"{scope}: {total / 1e6:.2f}M parameters, rank 0 holds {held / 1e6:.2f}M "
             f"({held_mib:.1f} MiB, 1/{total / held:.2f})")
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, Prefetcher, build_dataset, document_positions
-from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
+from trainer.distributed import init_distributed, resolve_device, restart_count, shutdown, world_size
 from trainer.errors import ConfigError, TrainingStopped
 from trainer.faults import Faults
 from trainer.guards import StepGuard, check_finite
@@ -32,7 +32,7 @@ from trainer.parallel.expert_parallel import sum_grads_over_tp
 from trainer.plan import make_plan
 from trainer.plan.devices import local_device
 from trainer.rules import check_checkpoint, check_job
-from trainer.steps import build_model_parts, describe_layout, job_loss, local_tensor, make_step_fns
+from trainer.steps import build_model_parts, describe_layout, describe_share, job_loss, local_tensor, make_step_fns
 from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
@@ -61,9 +61,9 @@ def run(cfg: DictConfig) -> None:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
                           f"(data.tokenizer={job.data.tokenizer})")
     enable_flight_recorder(job.output_dir)
-    init_distributed(device, job.distributed.timeout_s)
     lock = watchdog = None
     try:
+        init_distributed(device, job.distributed.timeout_s)
         lock = OutputLock(job.output_dir, dist.get_rank())
         watchdog = Watchdog(job.distributed.step_timeout_s, job.distributed.timeout_s, job.output_dir)
         train(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset, predicted,
@@ -121,7 +121,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
-        print(describe_layout(dims, total, sum(p.numel() for p in held), param_mib), flush=True)
+        print(f"{describe_layout(dims)} | {describe_share(dims, total, sum(p.numel() for p in held), param_mib)}",
+              flush=True)
         if predicted is not None:
             print(f"plan: predicted peak {predicted / 2**30:.2f} GiB of tensors on rank 0", flush=True)
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
@@ -135,7 +136,10 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     )
     state = TrainState(parts, optimizer)
     log = partial(print, flush=True) if rank == 0 else lambda *_: None
-    start_step, position = restore(checkpoint, state, output_dir / "checkpoints", job.model, log)
+    start_step, position, saved_world = restore(checkpoint, state, output_dir / "checkpoints", job.model, log)
+    if saved_world is not None and saved_world != dims.world_size:
+        log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
+            f"grad_accum_steps={t.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
     loader.offset = position - start_step * t.global_batch_size
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio, start_step)
     checkpointer = None
@@ -235,6 +239,9 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
                 "mem_tensor_gib": peak_tensor_gib(device, tensor_memory),
                 "param_mib": param_mib,
                 "elapsed_s": now - start,
+                "time": time.time(),
+                "world_size": dims.world_size,
+                "restart": restart_count(),
                 **guarded,
             }
             if moe_stats is not None:

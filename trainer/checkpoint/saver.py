@@ -29,13 +29,13 @@ from trainer.checkpoint.files import (
 )
 from trainer.checkpoint.state import TrainState, check_model, load_weights, saved_config
 from trainer.config import ModelConfig
-from trainer.distributed import gloo_group
+from trainer.distributed import gloo_group, max_restarts, restart_count
 from trainer.errors import TrainingStopped
 
 
-def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -> tuple[int, int]:
+def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -> tuple[int, int, int | None]:
     """Collective: loads what checkpoint.* asks for (`cfg`: a CheckpointConfig); returns the step
-    and data position to go on from, (0, 0) for a fresh start."""
+    and data position to go on from and the world size that saved them: (0, 0, None) for a fresh start."""
     rank, world = rank_world()
     path = None
     if cfg.resume not in ("auto", "none"):
@@ -48,13 +48,15 @@ def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -
     if path is not None:
         check_model(model_cfg, saved_config(path), f"checkpoint.resume={path}")
         started = time.perf_counter()
-        step, position = state.load(path)
-        log(f"checkpoint: resumed from {path} at step {step} (loaded in {time.perf_counter() - started:.2f}s)")
-        return step, position
+        step, position, saved_world = state.load(path)
+        restarted = f"restart {restart_count()} of at most {max_restarts()}: " if restart_count() else ""
+        log(f"checkpoint: {restarted}resumed from {path} at step {step} "
+            f"(loaded in {time.perf_counter() - started:.2f}s)")
+        return step, position, saved_world
     if cfg.initial:
         load_weights(list(state.model), cfg.initial, key="checkpoint.initial")
         log(f"checkpoint: initial weights from {cfg.initial}")
-    return 0, 0
+    return 0, 0, None
 
 
 def roll_back(state: TrainState, folder: Path, checkpointer: Checkpointer, log) -> int | None:
@@ -66,7 +68,7 @@ def roll_back(state: TrainState, folder: Path, checkpointer: Checkpointer, log) 
     if path is None:
         log("spike: no checkpoint to roll back to yet; the step was skipped")
         return None
-    step, _ = state.load(path)
+    step, _, _ = state.load(path)
     return step
 
 

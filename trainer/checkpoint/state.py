@@ -70,8 +70,8 @@ class TrainState:
         state["rng"] = {f"rank{rank}": _rng_state()}
         return state
 
-    def load(self, path: Path) -> tuple[int, int]:
-        """Loads everything from checkpoint `path`; returns (step, data position)."""
+    def load(self, path: Path) -> tuple[int, int, int]:
+        """Loads everything from checkpoint `path`; returns (step, data position, the world size that saved it)."""
         live_model, model = self.model_state()
         live_optim, optim = self.optimizer_state()
         trainer = {"step": torch.tensor(0), "data_position": torch.tensor(0), "world_size": torch.tensor(0)}
@@ -89,7 +89,7 @@ class TrainState:
             rng = {f"rank{rank}": _rng_state()}
             _dcp_load({"rng": rng}, path)
             _set_rng_state(rng[f"rank{rank}"])
-        return int(trainer["step"]), int(trainer["data_position"])
+        return int(trainer["step"]), int(trainer["data_position"]), int(trainer["world_size"])
 
     def load_weights(self, path: Path) -> None:
         live, model = self.model_state()
