@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,9 +23,11 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
 
-def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = ()) -> list[str]:
+def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = (),
+                     rendezvous: tuple = ("--standalone",), launcher: str = "torch.distributed.run") -> list[str]:
+    """torchrun (or `launcher`, a module taking its arguments) running train.py on `nproc` local ranks."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher_args,
+        sys.executable, "-m", launcher, *rendezvous, f"--nproc_per_node={nproc}", *launcher_args,
         str(REPO / "train.py"), *overrides, f"output_dir={output_dir}",
     ]
 
@@ -96,3 +99,54 @@ def spawn(fn, world_size: int, *args, timeout: float = 180) -> None:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"{world_size} ranks did not finish within {timeout}s")
+
+
+def start(nproc: int, *overrides: str, output_dir: Path, log: Path | None = None, env: dict | None = None,
+          **launch) -> subprocess.Popen:
+    """Starts torchrun (torchrun_command's `launch` arguments) in the background; its output goes
+    to `log` (default: beside output_dir, named after it)."""
+    log = open(log or output_dir.parent / f"{output_dir.name}.log", "w")
+    return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir, **launch), cwd=REPO,
+                            env={**ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None or time.monotonic() > deadline:
+            kill(process)
+            raise AssertionError("the run ended, or never got there")
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, timeout: float = 180) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(process)
+        raise
+
+
+def kill(process: subprocess.Popen) -> None:
+    """Kills torchrun and its ranks (which it starts in sessions of their own: found by parent pid)."""
+    for pid in children(process.pid):
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(process.pid, signal.SIGKILL)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def logged_steps(out: Path) -> int:
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0

@@ -1,13 +1,11 @@
 """Checkpoints: exact resume, resume under another layout, atomic publishing and damage
-detection, seed checkpoints, preemption by signal, and torchrun restarting a killed rank."""
+detection, seed checkpoints, and preemption by signal (restarts of killed ranks: test_elastic.py)."""
 
 import os
 import pickle
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,11 +14,14 @@ from helpers import (
     ENV,
     REPO,
     failure_report,
+    finish,
+    logged_steps,
     read_metrics,
     spawn,
+    start,
     torchrun,
-    torchrun_command,
     train_metrics,
+    wait_for,
 )
 
 from trainer import build_model, load_weights
@@ -194,46 +195,6 @@ def test_seed_checkpoint_is_the_starting_point(tmp_path):
     assert abs(records[0]["loss"] - loss) / loss <= 1e-5
 
 
-def start(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = (),
-          env: dict | None = None) -> subprocess.Popen:
-    log = open(output_dir.parent / f"{output_dir.name}.log", "w")
-    # torch 2.13's torchrun otherwise hands restarted ranks its rendezvous store with the last
-    # attempt's keys in it, and their process group never forms (hangs when rank 0 was the one killed).
-    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
-    return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir, launcher_args=launcher_args),
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None or time.monotonic() > deadline:
-            kill(process)
-            raise AssertionError("the run ended, or never got there")
-        time.sleep(0.05)
-
-
-def finish(process: subprocess.Popen, timeout: float = 180) -> int:
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill(process)
-        raise
-
-
-def kill(process: subprocess.Popen) -> None:
-    """Kills torchrun and its ranks (which it starts in sessions of their own)."""
-    for pid in children(process.pid):
-        os.kill(pid, signal.SIGKILL)
-    os.killpg(process.pid, signal.SIGKILL)
-
-
-def logged_steps(out: Path) -> int:
-    metrics = out / "metrics.jsonl"
-    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
-
-
 def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
     """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption): every rank ends the
     step, a checkpoint is saved, the ranks exit; resume=auto then finishes the run."""
@@ -253,42 +214,6 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
     difference = largest_difference(read_metrics(out), reference[1], 1)
     print(f"preemption: stopped at step {stopped}, largest relative loss difference {difference:.1e}")
     assert difference <= EXACT
-
-
-def test_torchrun_restarts_a_rank_killed_mid_save_or_mid_step_or_stuck(reference, tmp_path):
-    """A non-zero rank is killed (SIGKILL) while step 6's checkpoint is being written; in the
-    restarted job, killed after step 8's backward; in the next, stuck at the start of step 9 (the
-    watchdog stops every rank). Each time torchrun restarts the job, which resumes from the newest
-    complete checkpoint (3, 6, 6): the half-written step 6 is never loaded, and every step's loss is
-    the uninterrupted run's."""
-    out = tmp_path / "run"
-    victim = random.randrange(1, 2)  # a non-zero rank of 2
-    faults = f"kill_save@6:{victim},kill@8:{victim},hang@9:{victim}"
-    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3", "distributed.step_timeout_s=5",
-                    output_dir=out, launcher_args=("--max-restarts=3",), env={"TRAINER_FAULTS": faults})
-    assert finish(process) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    log = (tmp_path / "run.log").read_text()
-    resumed = [int(line.split("/step_")[1].split()[0]) for line in log.splitlines() if "resumed from" in line]
-    assert resumed == [3, 6, 6], log[-3000:]
-    assert f"watchdog: rank {victim}: step 9, phase forward: no progress for " in log
-    assert sorted(p.name for p in (out / "faults").iterdir()) == [
-        f"hang@9.rank{victim}", f"kill@8.rank{victim}", f"kill_save@6.rank{victim}"]
-    difference = largest_difference(read_metrics(out), reference[1], 1)
-    print(f"rank {victim} killed mid-save at step 6, mid-step at step 8, stuck at step 9: resumed from steps "
-          f"{resumed} (3, 2 and 2 steps run again), largest relative loss difference {difference:.1e}")
-    assert difference <= EXACT
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1,6 +1,6 @@
 """Faults a long run meets, injected on purpose (TRAINER_FAULTS): a rank stuck while the others wait
-in a collective, and a disk that fills during a save. (Ranks killed mid-step and mid-save are in
-test_checkpoint.py, beside the run they must reproduce.)"""
+in a collective, and a disk that fills during a save. (Ranks killed mid-step and mid-save, and torchrun
+restarting them, are in test_elastic.py.)"""
 
 import re
 import subprocess

@@ -1,7 +1,9 @@
 """scripts/slurm/train.sbatch against a real Slurm: a two-node cluster on this machine
-(scripts/slurm/local_cluster.sh), a job across both nodes, and a preemption through Slurm's signal."""
+(scripts/slurm/local_cluster.sh), a job across both nodes, a preemption through Slurm's signal, and
+an elastic job that loses a node."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,8 +14,9 @@ from helpers import REPO, read_metrics
 
 CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
 STEPS = 10
-JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
-       "training.lr=3e-3", "checkpoint.enabled=true", "checkpoint.interval=100")
+BASE = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
+        "training.lr=3e-3", "checkpoint.enabled=true")
+JOB = (*BASE, "checkpoint.interval=100")
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +34,11 @@ def slurm(tmp_path_factory):
     subprocess.run(["bash", str(CLUSTER), "stop"], env=env, capture_output=True, timeout=60)
 
 
-def submit(env: dict, out: Path, *args: str) -> str:
+def submit(env: dict, out: Path, *args: str, sbatch_args: tuple = ()) -> str:
     """Submits train.sbatch on both nodes; returns the job id."""
     cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--chdir={REPO}",
-           f"--output={out}/%x-%j.out", str(REPO / "scripts" / "slurm" / "train.sbatch"), *args, f"output_dir={out}"]
+           f"--output={out}/%x-%j.out", *sbatch_args, str(REPO / "scripts" / "slurm" / "train.sbatch"), *args,
+           f"output_dir={out}"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
@@ -111,3 +115,45 @@ def test_preemption_signal_saves_requeues_and_resumes(slurm, two_node_run, tmp_p
     difference = max(abs(records[s] - reference[s]) / reference[s] for s in records)
     print(f"slurm preemption: largest relative loss difference {difference:.1e}")
     assert difference <= 1e-6
+
+
+def node_processes(job: str, node: int) -> list[int]:
+    """The processes Slurm started for `job` on `node` (its torchrun agent and ranks), by their environment."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = dict(item.split("=", 1) for item in environ.read_bytes().decode(errors="replace").split("\0") if "=" in item)
+        except OSError:
+            continue
+        if env.get("SLURM_JOB_ID") == job and env.get("SLURM_NODEID") == str(node) and "SLURM_STEP_ID" in env:
+            found.append(int(environ.parent.name))
+    return found
+
+
+def test_elastic_job_goes_on_without_a_lost_node(slurm, two_node_run, tmp_path):
+    """MIN_NODES=1 with --no-kill: the second node's torchrun and ranks are killed after step 4's
+    checkpoint (a node lost); the first node's ranks resume from it alone, on 2 ranks, and finish
+    with the two-node run's losses."""
+    out = tmp_path
+    env = {**slurm, "MIN_NODES": "1", "RDZV_CONF": "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3"}
+    job = submit(env, out, *BASE, "checkpoint.interval=2", "training.micro_batch_size=2", sbatch_args=("--no-kill",))
+    try:
+        metrics = out / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 300, "step 5")
+        lost = node_processes(job, 1)
+        assert lost, "no processes of the job on the second node"
+        for pid in lost:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: finished(slurm, job), 300, f"job {job} to finish")
+        ended = state(slurm, job)
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=30)
+    log = log_of(out, job)
+    assert "elastic, 1 to 2 nodes" in log and "world changed from 4 to 2 ranks" in log, log[-4000:]
+    records = {r["step"]: r for r in read_metrics(out)}
+    reference = {r["step"]: r["loss"] for r in read_metrics(two_node_run[0])}
+    assert sorted(records) == list(range(1, STEPS + 1)) and records[STEPS]["world_size"] == 2, log[-4000:]
+    difference = max(abs(records[s]["loss"] - reference[s]) / reference[s] for s in records)
+    print(f"slurm elastic: a node lost after step 4, finished on one (job {ended}); largest relative loss "
+          f"difference {difference:.1e}")
+    assert difference <= 1e-4

@@ -6,7 +6,8 @@ import sys
 from helpers import ENV, REPO, read_metrics, torchrun
 from omegaconf import OmegaConf
 
-FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib", "elapsed_s"}
+FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib", "elapsed_s",
+          "time", "world_size", "restart"}
 SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
 
 

@@ -1,0 +1,150 @@
+"""Restarts and elastic membership under torchrun, as users launch it. Every launch form restarts
+killed ranks and resumes exactly; an elastic job (two torchrun agents on this machine as two nodes)
+shrinks when a node dies and grows when one joins, keeping the global batch and the data order.
+One run covers several faults: each restart is seconds of start-up on this machine."""
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import children, finish, kill, launch, logged_steps, read_metrics, start, wait_for
+from test_checkpoint import by_step
+
+JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=64", "training.global_batch_size=8",
+       "training.lr=3e-3", "training.warmup_steps=2", "checkpoint.enabled=true", "checkpoint.interval=2")
+STEPS = 10  # of a restarted job
+ELASTIC_STEPS = 16  # of the elastic job: time for a second agent to start and join
+EXACT = 1e-6  # the same world, resumed
+RESHARDED = 1e-4  # another world size: the parity tolerance
+# Rendezvous settings for the tests' elastic agents: a dead agent is found after 2 s x 3 missed
+# heartbeats (torch's default is 5 s x 3), and a round closes 1 s after its minimum is met (not 30 s).
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=3"
+
+
+def uninterrupted(nproc: int, steps: int, out: Path, *overrides: str) -> dict[int, dict]:
+    result = launch(nproc, *JOB, f"training.steps={steps}", *overrides, output_dir=out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return by_step(read_metrics(out))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, dict]:
+    return uninterrupted(2, STEPS, tmp_path_factory.mktemp("reference"))
+
+
+def largest_difference(records: list[dict], reference: dict[int, dict], steps) -> float:
+    got = by_step(records)
+    assert all(s in got for s in steps), f"steps {sorted(got)} miss some of {list(steps)}"
+    return max(abs(got[s]["loss"] - reference[s]["loss"]) / reference[s]["loss"] for s in steps)
+
+
+def resumed_steps(log: str) -> list[int]:
+    return [int(line.split("/step_")[1].split()[0]) for line in log.splitlines() if "resumed from" in line]
+
+
+def kill_to_first_step(out: Path, records: list[dict]) -> list[float]:
+    """Seconds from each injected kill (its marker is written just before) to the first step logged after it."""
+    kills = sorted(p.stat().st_mtime for p in (out / "faults").iterdir() if p.name.startswith("kill"))
+    return [min(r["time"] for r in records if r["time"] > t) - t for t in kills]
+
+
+# Static rendezvous (`--master_port`) and c10d share torchrun's store with the ranks across restarts;
+# --standalone also starts a rank that hangs (the watchdog stops every rank); c10d saves in the background.
+FORMS = {
+    "master_port": (("--master_addr=127.0.0.1", "--master_port={port}"), ()),
+    "standalone": (("--standalone",), ("distributed.step_timeout_s=5",)),
+    "c10d": (("--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=restarts"),
+             ("checkpoint.async=true",)),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_torchrun_restarts_killed_ranks_with_every_launch_form(form, reference, tmp_path):
+    """Rank 0 and a random other rank killed mid-save (step 4, step 6) and mid-step (step 5, step 8),
+    with no environment variable set: each time torchrun restarts the job, which resumes from the
+    newest complete checkpoint (2, 4, 4, 6) and reproduces the uninterrupted run's losses."""
+    rendezvous, extra = FORMS[form]
+    port = 29400 + random.randrange(500)
+    rendezvous = tuple(arg.format(port=port) for arg in rendezvous)
+    other = random.randrange(1, 2)  # a non-zero rank of 2
+    faults = f"kill_save@4:0,kill@5:{other},kill_save@6:{other},kill@8:0"
+    if form == "standalone":
+        faults += f",hang@9:{other}"
+    out = tmp_path / "run"
+    process = start(2, *JOB, f"training.steps={STEPS}", *extra, output_dir=out, rendezvous=rendezvous,
+                    launcher_args=("--max-restarts=5",), env={"TRAINER_FAULTS": faults})
+    code = finish(process, timeout=300)
+    log = (tmp_path / "run.log").read_text()
+    assert code == 0, log[-4000:]
+    expected = [2, 4, 4, 6] + ([8] if form == "standalone" else [])
+    assert resumed_steps(log) == expected, log[-4000:]
+    for n in range(1, len(expected) + 1):
+        assert f"checkpoint: restart {n} of at most 5: resumed from" in log
+    records = read_metrics(out)
+    assert [r["restart"] for r in records] == sorted(r["restart"] for r in records)
+    assert {r["world_size"] for r in records} == {2}
+    difference = largest_difference(records, reference, range(1, STEPS + 1))
+    delays = kill_to_first_step(out, records)
+    print(f"{form}: ranks 0 and {other} killed mid-save and mid-step: resumed from steps {resumed_steps(log)}, "
+          f"largest relative loss difference {difference:.1e}, kill to the first step after it "
+          f"{min(delays):.1f}-{max(delays):.1f}s")
+    assert difference <= EXACT
+
+
+def agent(node: int, out: Path, port: int, tmp_path: Path) -> subprocess.Popen:
+    """One elastic node: trainer-run (torchrun's arguments, no environment variable) with 2 ranks.
+    Node 1 hosts the rendezvous store (on one machine every agent would otherwise take the endpoint
+    for its own)."""
+    return start(2, *JOB, f"training.steps={ELASTIC_STEPS}", "training.micro_batch_size=2", output_dir=out,
+                 log=tmp_path / f"node{node}.log", launcher="trainer.launcher",
+                 rendezvous=("--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                             "--rdzv_id=elastic", f"--rdzv_conf=is_host={int(node == 1)},{RDZV_CONF}"),
+                 launcher_args=("--max-restarts=3",))
+
+
+def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_path):
+    """Two nodes of 2 ranks; node 2 and its ranks are killed (SIGKILL) after step 4's checkpoint: the
+    job goes on alone from step 4 on 2 ranks, twice the accumulation. A new node then joins: torchrun
+    stops the ranks, which save the step they were at, and the job goes on at 4 ranks from that very
+    step. Every step's loss is the uninterrupted 4-rank run's (the same global batches, in order)."""
+    expected = uninterrupted(4, ELASTIC_STEPS, tmp_path / "reference", "training.micro_batch_size=2")
+    out, port = tmp_path / "run", 29900 + random.randrange(90)
+    first, second = agent(1, out, port, tmp_path), agent(2, out, port, tmp_path)
+    third = None
+    try:
+        wait_for(lambda: logged_steps(out) >= 5, first, timeout=180)
+        for pid in [second.pid, *children(second.pid)]:  # a node lost: its agent and its ranks at once
+            os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        wait_for(lambda: any(r["world_size"] == 2 for r in read_metrics(out)), first, timeout=120)
+        third = agent(3, out, port, tmp_path)
+        assert finish(first, timeout=240) == 0, (tmp_path / "node1.log").read_text()[-4000:]
+        assert finish(third, timeout=60) == 0, (tmp_path / "node3.log").read_text()[-4000:]
+    finally:
+        for process in (first, second, third):
+            if process is not None and process.poll() is None:
+                kill(process)
+    log = (tmp_path / "node1.log").read_text()
+    records = read_metrics(out)
+    worlds = [(r["step"], r["world_size"]) for r in records]
+    assert log.count("world changed from 4 to 2 ranks: mesh pp=1, dp_replicate=1, dp_shard=2") == 1, log[-4000:]
+    assert "grad_accum_steps=2, the global batch of 8 sequences kept" in log
+    assert log.count("world changed from 2 to 4 ranks") == 1, log[-4000:]
+    stopped = int(log.split("checkpoint: stopped at step ")[1].split()[0])
+    resumed = resumed_steps(log)
+    assert resumed == [4, stopped], log[-4000:]  # shrunk: from step 4's checkpoint; grown: no step lost
+    assert [w for i, (_, w) in enumerate(worlds) if i == 0 or worlds[i - 1][1] != w] == [4, 2, 4], worlds
+    shrunk = [s for s, w in worlds if w == 2]
+    assert shrunk[0] == 5 and shrunk[-1] == stopped and worlds[-1] == (ELASTIC_STEPS, 4), worlds
+    difference = largest_difference(records, expected, range(1, ELASTIC_STEPS + 1))
+    first_shrunk = min(r["time"] for r in records if r["world_size"] == 2)
+    killed_after = max(r["step"] for r in records if r["time"] < killed)
+    print(f"elastic: node 2 killed after step {killed_after}: resumed on 2 ranks from step 4, "
+          f"{first_shrunk - killed:.1f}s from the kill to the first step; node 3 joined: stopped and saved at "
+          f"step {stopped}, resumed on 4 ranks from it; largest relative loss difference {difference:.1e}")
+    assert difference <= RESHARDED
+
