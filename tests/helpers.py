@@ -69,7 +69,7 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -91,7 +91,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
 def spawn(fn, world_size: int, *args, timeout: float = 180) -> None:
     """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; fn must be module-level."""
     context = mp.start_processes(
-        _entry, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=False, start_method="spawn"
+        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):

@@ -7,11 +7,24 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import children, finish, kill, launch, logged_steps, read_metrics, start, wait_for
+from helpers import (
+    ENV,
+    REPO,
+    children,
+    finish,
+    free_port,
+    kill,
+    launch,
+    logged_steps,
+    read_metrics,
+    start,
+    wait_for,
+)
 from test_checkpoint import by_step
 
 JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=64", "training.global_batch_size=8",
@@ -148,3 +161,21 @@ def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_pa
           f"step {stopped}, resumed on 4 ranks from it; largest relative loss difference {difference:.1e}")
     assert difference <= RESHARDED
 
+
+
+def test_a_rank_that_cannot_form_its_group_stops_within_the_timeout_with_one_line(tmp_path):
+    """Rank 0 of 2 told to use torchrun's store where none listens (the peer never comes): the rank
+    stops after distributed.timeout_s with one line, never hangs."""
+    env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "model=llama_debug", "+smoke=cpu",
+                             "distributed.timeout_s=3", f"output_dir={tmp_path}"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    stopped = [line for line in result.stderr.splitlines() if line.startswith("training stopped:")]
+    assert result.returncode == 1 and len(stopped) == 1, result.stderr[-3000:]
+    assert stopped[0].startswith("training stopped: rank 0 could not join the job's process group (restart 1, "
+                                 "distributed.timeout_s=3): "), stopped
+    assert "Traceback" not in result.stderr
+    print(f"no store to join: stopped after {took:.1f}s (start-up included): {stopped[0][:160]}")

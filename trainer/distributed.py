@@ -55,7 +55,7 @@ def init_distributed(device: torch.device, timeout_s: float = 1800) -> None:
         else:
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=_timeout)
-    except (RuntimeError, dist.DistError) as e:  # a timeout, or a peer that went away while joining
+    except RuntimeError as e:  # a timeout, or a peer gone while joining (torch.distributed.DistError too)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TrainingStopped(f"rank {os.environ['RANK']} could not join the job's process group (restart "
                               f"{restart_count()}, distributed.timeout_s={timeout_s:g}): {reason}") from None
