@@ -57,7 +57,7 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
     """dp_replicate=-1 (or dp_shard=-1) takes up the ranks; micro_batch_size fixes each rank's batch,
     so the accumulation makes up the global batch on whatever world a restart finds."""
     for world, replicas, accum in ((8, 4, 1), (4, 2, 2), (2, 1, 4)):
-        job = job_for(dp_replicate=-1, dp_shard=2, training__micro_batch_size=1)
+        job = job_for(dp_replicate=-1, dp_shard=2, training__micro_batch_size=1, training__grad_accum_steps=8)
         dims = resolve_layout(job.parallel, job.model, job.training, world)
         assert (dims.dp_replicate, dims.dp_shard, job.training.grad_accum_steps) == (replicas, 2, accum)
 
@@ -71,8 +71,6 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
                                       r"or more nodes\), set parallel.dp_shard=-1 or parallel.dp_replicate=-1$"),
         (4, {"training__micro_batch_size": 3}, r"training.global_batch_size=8 must be divisible by dp\*micro_batch_size=12"),
         (4, {"training__micro_batch_size": 0}, r"training.micro_batch_size=0 must be >= 1"),
-        (4, {"training__micro_batch_size": 1, "training__grad_accum_steps": 2},
-         r"training.grad_accum_steps=2 and training.micro_batch_size=1: set one of them"),
         (4, {"dp_replicate": 3}, r"parallel.dp_shard=-1 needs the world size 4 to be divisible by pp\*dp_replicate\*cp\*tp=3"),
         (4, {"dp_replicate": 2, "dp_shard": 3}, r"parallel: pp\*dp_replicate\*dp_shard\*cp\*tp=6 must equal the world size 4"),
         (4, {"tp": 3}, r"parallel.tp=3 must divide model.n_heads=16"),

@@ -41,7 +41,7 @@ LAYOUTS = {
     "hsdp2x2": (4, ["+recipe=llama_hsdp"]),
     # An elastic layout: the replicas take up the world, accumulation makes up the global batch (2 here).
     "hsdp_elastic_micro1": (4, ["+recipe=llama_hsdp", "parallel.dp_replicate=-1", "parallel.dp_shard=2",
-                                "training.grad_accum_steps=1", "training.micro_batch_size=1"]),
+                                "training.micro_batch_size=1"]),
     "fsdp2_accum2": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2"]),
     "fsdp2_ac_full": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full"]),
     "fsdp2_ac_full_every2_compile": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full",

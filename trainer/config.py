@@ -105,8 +105,8 @@ class TrainingConfig:
     seq_len: int = 2048
     global_batch_size: int = 8
     grad_accum_steps: int = 1
-    # Sequences per data-parallel rank in one forward-backward; set, it fixes grad_accum_steps from the
-    # global batch (more accumulation on fewer ranks: what an elastic job wants). null: from grad_accum_steps.
+    # Sequences per data-parallel rank in one forward-backward; set, grad_accum_steps is derived from it and
+    # the global batch instead (more accumulation on fewer ranks: what an elastic job wants).
     micro_batch_size: Optional[int] = None
     lr: float = 3e-4
     warmup_steps: int = 100

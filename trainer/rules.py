@@ -253,13 +253,11 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
 
 def _grad_accum_steps(training, dp: int) -> int:
     """The accumulation steps that make up the global batch from micro_batch_size sequences per
-    data-parallel rank: more of them when the world shrinks, fewer when it grows."""
+    data-parallel rank: more of them when the world shrinks, fewer when it grows. They replace
+    grad_accum_steps (a recipe's own included)."""
     micro = training.micro_batch_size
     if micro < 1:
         raise ConfigError(f"training.micro_batch_size={micro} must be >= 1 (or null: from grad_accum_steps)")
-    if training.grad_accum_steps != 1:
-        raise ConfigError(f"training.grad_accum_steps={training.grad_accum_steps} and training.micro_batch_size="
-                          f"{micro}: set one of them (the other follows from the global batch)")
     if training.global_batch_size % (dp * micro):
         raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be divisible by "
                           f"dp*micro_batch_size={dp * micro} (dp={dp}, micro_batch_size={micro})")
