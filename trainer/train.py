@@ -121,8 +121,8 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
-        print(f"{describe_layout(dims)} | {describe_share(dims, total, sum(p.numel() for p in held), param_mib)}",
-              flush=True)
+        print(f"{describe_layout(dims)} | grad_accum_steps={t.grad_accum_steps} | "
+              f"{describe_share(dims, total, sum(p.numel() for p in held), param_mib)}", flush=True)
         if predicted is not None:
             print(f"plan: predicted peak {predicted / 2**30:.2f} GiB of tensors on rank 0", flush=True)
     loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
