@@ -69,6 +69,18 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def by_step(records: list[dict]) -> dict[int, dict]:
+    """The last record of each step (a restarted run logs the steps after its checkpoint again)."""
+    return {r["step"]: r for r in records}
+
+
+def loss_difference(records: list[dict], reference: list[dict], steps) -> float:
+    """The largest relative loss difference from `reference` over `steps`; checks they all ran."""
+    got, expected = by_step(records), by_step(reference)
+    assert all(s in got for s in steps), f"steps {sorted(got)} miss some of {list(steps)}"
+    return max(abs(got[s]["loss"] - expected[s]["loss"]) / expected[s]["loss"] for s in steps)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

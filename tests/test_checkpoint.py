@@ -13,9 +13,11 @@ import torch
 from helpers import (
     ENV,
     REPO,
+    by_step,
     failure_report,
     finish,
     logged_steps,
+    loss_difference,
     read_metrics,
     spawn,
     start,
@@ -41,17 +43,9 @@ EXACT = 1e-6  # the same layout resumed
 RESHARDED = 1e-4  # another layout: the parity tolerance
 
 
-def by_step(records: list[dict]) -> dict[int, dict]:
-    """The last record of each step (a restarted run logs the steps after its checkpoint again)."""
-    return {r["step"]: r for r in records}
-
-
 def largest_difference(records: list[dict], reference: list[dict], first_step: int) -> float:
     """The largest relative loss difference over the steps from `first_step` on; checks they all ran."""
-    got, expected = by_step(records), by_step(reference)
-    steps = range(first_step, STEPS + 1)
-    assert all(s in got for s in steps), f"steps {sorted(got)} miss some of {list(steps)}"
-    return max(abs(got[s]["loss"] - expected[s]["loss"]) / expected[s]["loss"] for s in steps)
+    return loss_difference(records, reference, range(first_step, STEPS + 1))
 
 
 def run(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> list[dict]:

@@ -19,13 +19,13 @@ from helpers import (
     finish,
     free_port,
     kill,
-    launch,
     logged_steps,
+    loss_difference,
     read_metrics,
     start,
+    train_metrics,
     wait_for,
 )
-from test_checkpoint import by_step
 
 JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=64", "training.global_batch_size=8",
        "training.lr=3e-3", "training.warmup_steps=2", "checkpoint.enabled=true", "checkpoint.interval=2")
@@ -38,21 +38,13 @@ RESHARDED = 1e-4  # another world size: the parity tolerance
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=3"
 
 
-def uninterrupted(nproc: int, steps: int, out: Path, *overrides: str) -> dict[int, dict]:
-    result = launch(nproc, *JOB, f"training.steps={steps}", *overrides, output_dir=out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return by_step(read_metrics(out))
+def uninterrupted(nproc: int, steps: int, out: Path, *overrides: str) -> list[dict]:
+    return train_metrics(nproc, *JOB, f"training.steps={steps}", *overrides, output_dir=out)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, dict]:
+def reference(tmp_path_factory) -> list[dict]:
     return uninterrupted(2, STEPS, tmp_path_factory.mktemp("reference"))
-
-
-def largest_difference(records: list[dict], reference: dict[int, dict], steps) -> float:
-    got = by_step(records)
-    assert all(s in got for s in steps), f"steps {sorted(got)} miss some of {list(steps)}"
-    return max(abs(got[s]["loss"] - reference[s]["loss"]) / reference[s]["loss"] for s in steps)
 
 
 def resumed_steps(log: str) -> list[int]:
@@ -100,7 +92,7 @@ def test_torchrun_restarts_killed_ranks_with_every_launch_form(form, reference, 
     records = read_metrics(out)
     assert [r["restart"] for r in records] == sorted(r["restart"] for r in records)
     assert {r["world_size"] for r in records} == {2}
-    difference = largest_difference(records, reference, range(1, STEPS + 1))
+    difference = loss_difference(records, reference, range(1, STEPS + 1))
     delays = kill_to_first_step(out, records)
     print(f"{form}: ranks 0 and {other} killed mid-save and mid-step: resumed from steps {resumed_steps(log)}, "
           f"largest relative loss difference {difference:.1e}, kill to the first step after it "
@@ -153,7 +145,7 @@ def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_pa
     assert [w for i, (_, w) in enumerate(worlds) if i == 0 or worlds[i - 1][1] != w] == [4, 2, 4], worlds
     shrunk = [s for s, w in worlds if w == 2]
     assert shrunk[0] == 5 and shrunk[-1] == stopped and worlds[-1] == (ELASTIC_STEPS, 4), worlds
-    difference = largest_difference(records, expected, range(1, ELASTIC_STEPS + 1))
+    difference = loss_difference(records, expected, range(1, ELASTIC_STEPS + 1))
     first_shrunk = min(r["time"] for r in records if r["world_size"] == 2)
     killed_after = max(r["step"] for r in records if r["time"] < killed)
     print(f"elastic: node 2 killed after step {killed_after}: resumed on 2 ranks from step 4, "

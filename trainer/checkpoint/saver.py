@@ -49,7 +49,8 @@ def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -
         check_model(model_cfg, saved_config(path), f"checkpoint.resume={path}")
         started = time.perf_counter()
         step, position, saved_world = state.load(path)
-        restarted = f"restart {restart_count()} of at most {max_restarts()}: " if restart_count() else ""
+        restarts = restart_count()
+        restarted = f"restart {restarts} of at most {max_restarts()}: " if restarts else ""
         log(f"checkpoint: {restarted}resumed from {path} at step {step} "
             f"(loaded in {time.perf_counter() - started:.2f}s)")
         return step, position, saved_world
