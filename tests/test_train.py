@@ -1,5 +1,6 @@
 """train.py end to end: launched as a user launches it, read back from its outputs."""
 
+import json
 import subprocess
 import sys
 
@@ -11,8 +12,9 @@ FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "
 SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
 
 
-def test_torchrun_writes_metrics_config_and_console_lines(tmp_path):
-    result = torchrun(2, "+recipe=llama_fsdp", *SHORT, "metrics.peak_tflops=0.5", output_dir=tmp_path, timeout=240)
+def test_torchrun_writes_metrics_config_console_lines_and_a_profile(tmp_path):
+    result = torchrun(2, "+recipe=llama_fsdp", *SHORT, "metrics.peak_tflops=0.5", "metrics.profile_step=3",
+                      output_dir=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -23,6 +25,11 @@ def test_torchrun_writes_metrics_config_and_console_lines(tmp_path):
     assert result.stdout.count(" tok/s | ") == 4  # one console line per step, rank 0 only
     saved = OmegaConf.load(tmp_path / "config.yaml")
     assert saved.parallel.dp_shard == -1 and saved.output_dir == str(tmp_path)
+    for rank in (0, 1):  # step 3 on every rank: its trace, and its ops by time with FSDP's collectives
+        trace = json.loads((tmp_path / "profile" / f"rank_{rank}.json").read_text())
+        assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+        table = (tmp_path / "profile" / f"rank_{rank}.txt").read_text()
+        assert table.startswith(f"step 3, rank {rank}") and "aten::mm" in table and "FSDP::all_gather" in table
 
 
 def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
@@ -65,6 +72,10 @@ def test_precision_and_compile_rules_are_config_errors(monkeypatch):
     check(param_dtype="bfloat16", reduce_dtype="bfloat16")
     check(device="cuda", reduce_dtype="bfloat16")  # auto: bf16 parameters on CUDA
     check(compile=True)
+    with pytest.raises(ConfigError, match=r"metrics.profile_step=0 must be a step of the run, 1..training.steps=1000"):
+        job = JobConfig()
+        job.training.seq_len, job.metrics.profile_step = 64, 0
+        check_job(job, world=2)
     for dtypes, message in [
         ({"param_dtype": "float8"}, r"training.mixed_precision.param_dtype=float8 must be one of"),
         ({"param_dtype": "float16"}, r"param_dtype=float16 needs loss scaling"),

@@ -178,6 +178,8 @@ class MetricsConfig:
     log_every: int = 10
     # null: unknown (mfu is null on CPU); a number in TFLOP/s per device; "auto": time a matmul.
     peak_tflops: Optional[Any] = None
+    # A step to record with torch's profiler on every rank (output_dir/profile/); null: none.
+    profile_step: Optional[int] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

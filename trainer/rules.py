@@ -47,6 +47,10 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     check_distributed(job.distributed)
     if job.metrics.log_every < 1:
         raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
+    profile_step = job.metrics.profile_step
+    if profile_step is not None and not 1 <= profile_step <= job.training.steps:
+        raise ConfigError(f"metrics.profile_step={profile_step} must be a step of the run, "
+                          f"1..training.steps={job.training.steps}")
     peak = job.metrics.peak_tflops
     if not (peak is None or peak == "auto" or (isinstance(peak, (int, float)) and peak > 0)):
         raise ConfigError(f"metrics.peak_tflops={peak} must be null, a positive number or auto")

@@ -30,6 +30,7 @@ from trainer.parallel.context_parallel import shard_batch
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import sum_grads_over_tp
 from trainer.plan import make_plan
+from trainer.profiler import StepProfiler
 from trainer.plan.devices import local_device
 from trainer.rules import check_checkpoint, check_job
 from trainer.steps import build_model_parts, describe_layout, describe_share, job_loss, local_tensor, make_step_fns
@@ -178,11 +179,13 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
     guard = StepGuard(t, device)
     loss_holders = dims.world_size // dims.pp  # the ranks holding a loss: those of the last stage
     rollback = t.spike.threshold is not None and t.spike.action == "rollback"
+    profiler = StepProfiler(job.metrics.profile_step, job.output_dir, rank, device)
     start = last_time = time.perf_counter()
     step = last_step = start_step
     while step < t.steps:
         step += 1
         watchdog.step(step)
+        profiler.begin(step)
         batches = train_batches(step - 1)
         watchdog.phase("forward")
         faults.hang_or_kill("hang", step)
@@ -201,6 +204,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        profiler.end(step)
         if rollback and guard.spiked():
             watchdog.slow("rollback")
             back = roll_back(state, output_dir / "checkpoints", checkpointer, log)
