@@ -62,6 +62,7 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     from hydra import compose, initialize_config_dir
 
     from trainer import build_model
+    from trainer.allocator import reuse_freed_memory
     from trainer.config import CONFIG_DIR, register_configs
     from trainer.memory import peak_memory_gib
     from trainer.metrics import flops_per_token, measure_cpu_tflops
@@ -71,6 +72,8 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("parallel.")])
     batch, seq_len = cfg.training.global_batch_size, cfg.training.seq_len
+    if cfg.training.cpu_reuse_memory:  # the trainer's allocator settings, so the ratios measure the rest
+        reuse_freed_memory()
     model = build_model(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr)
     tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq_len + 1))

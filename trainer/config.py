@@ -115,6 +115,8 @@ class TrainingConfig:
     seed: int = 0
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     compile: bool = False
+    # On the CPU, large freed blocks stay in the process for reuse (see trainer/allocator.py).
+    cpu_reuse_memory: bool = True
     # none | full | selective; under full, every Nth block is checkpointed (1: every block).
     activation_checkpoint: str = "none"
     activation_checkpoint_every: int = 1

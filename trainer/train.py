@@ -15,6 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from trainer.allocator import reuse_freed_memory
 from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, Prefetcher, build_dataset, document_positions
@@ -57,6 +58,8 @@ def run(cfg: DictConfig) -> None:
         raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a checkpoint to go back to)")
     check_writable(job.output_dir)
     predicted = check_memory(job, dims, device) if job.plan.check else None
+    if device.type == "cpu" and job.training.cpu_reuse_memory:
+        reuse_freed_memory()
     dataset, val_dataset = build_datasets(job)
     if dataset.vocab_size > job.model.vocab_size:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
