@@ -18,25 +18,26 @@ class StepProfiler:
     def __init__(self, step: int | None, output_dir: str, rank: int, device: torch.device):
         self.step, self.rank = step, rank
         self.folder = Path(output_dir) / "profile"
-        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.cuda = device.type == "cuda"
         self.running: profile | None = None
 
     def begin(self, step: int) -> None:
         """Called as `step` starts."""
         if step == self.step:
-            self.running = profile(activities=self.activities, record_shapes=True)
-            self.running.__enter__()
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
+            self.running = profile(activities=activities, record_shapes=True)
+            self.running.start()
 
     def end(self, step: int) -> None:
         """Called once `step`'s optimizer update is done: writes what was recorded."""
         if self.running is None or step != self.step:
             return
-        if self.activities[-1] == ProfilerActivity.CUDA:
+        if self.cuda:
             torch.cuda.synchronize()
-        self.running.__exit__(None, None, None)
+        self.running.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.running.export_chrome_trace(str(self.folder / f"rank_{self.rank}.json"))
-        sort = "self_cuda_time_total" if self.activities[-1] == ProfilerActivity.CUDA else "self_cpu_time_total"
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         table = self.running.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=70)
         (self.folder / f"rank_{self.rank}.txt").write_text(f"step {step}, rank {self.rank}\n{table}\n")
         self.running = None
