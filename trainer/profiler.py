@@ -30,7 +30,7 @@ class StepProfiler:
 
     def end(self, step: int) -> None:
         """Called once `step`'s optimizer update is done: writes what was recorded."""
-        if self.running is None or step != self.step:
+        if self.running is None:  # begun at this step, or not at all
             return
         if self.cuda:
             torch.cuda.synchronize()

@@ -31,8 +31,8 @@ from trainer.parallel.context_parallel import shard_batch
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import sum_grads_over_tp
 from trainer.plan import make_plan
-from trainer.profiler import StepProfiler
 from trainer.plan.devices import local_device
+from trainer.profiler import StepProfiler
 from trainer.rules import check_checkpoint, check_job
 from trainer.steps import build_model_parts, describe_layout, describe_share, job_loss, local_tensor, make_step_fns
 from trainer.watchdog import Watchdog, enable_flight_recorder
