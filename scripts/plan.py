@@ -42,6 +42,9 @@ def main(argv: list[str]) -> int:
         register_configs()
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+        from trainer.models import import_modules
+
+        import_modules(job.imports)
         if args.search:
             return search_command(job, args)
         return plan_command(job, args)

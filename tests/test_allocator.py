@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from helpers import ENV, REPO
 
 PROBE = """
@@ -25,6 +26,7 @@ def page_faults(mode: str) -> int:
     return int(result.stdout.split()[-1])
 
 
+@pytest.mark.multiprocess
 def test_reused_memory_is_not_faulted_in_again():
     pages = 100_000_000 // 4096
     default, reused = page_faults("default"), page_faults("reuse")

@@ -4,9 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import ENV, REPO
 
 
+@pytest.mark.multiprocess
 def test_bench_runs_the_trainer_beside_the_plain_loop(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "scripts/bench.py", "--runs", "llama_fsdp:1", "--threads", "1", "--steps", "3",

@@ -59,6 +59,7 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5", output_dir=out)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_repeats_the_uninterrupted_run(mode, reference, tmp_path):
     saved = tmp_path / "saved"
@@ -89,6 +90,7 @@ RESHARDING = {
 SAVED_AT = (5, 7)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", RESHARDING)
 def test_resume_under_another_layout(case, tmp_path):
     (ranks, overrides), *resuming = RESHARDING[case]
@@ -101,6 +103,7 @@ def test_resume_under_another_layout(case, tmp_path):
         assert difference <= RESHARDED
 
 
+@pytest.mark.multiprocess
 def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     """keep_last prunes; a damaged checkpoint is refused by name and skipped by resume=auto;
     a save that never finished (.tmp) is never a candidate."""
@@ -141,6 +144,7 @@ def _resume_with_a_stale_listing(rank, world, folder):
     assert chosen == folder / "step_4", f"rank {rank} chose {chosen}"
 
 
+@pytest.mark.multiprocess
 def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
     for step in (2, 4):
         (tmp_path / f"step_{step}.tmp").mkdir()
@@ -168,6 +172,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.multiprocess
 def test_seed_checkpoint_is_the_starting_point(tmp_path):
     seed = tmp_path / "seed"
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "seed_checkpoint.py"), str(seed),
@@ -189,6 +194,7 @@ def test_seed_checkpoint_is_the_starting_point(tmp_path):
     assert abs(records[0]["loss"] - loss) / loss <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
     """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption): every rank ends the
     step, a checkpoint is saved, the ranks exit; resume=auto then finishes the run."""
@@ -217,6 +223,7 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
     ("checkpoint.resume=/no/such/dir", "config error: checkpoint.resume=/no/such/dir is not a directory"),
     ("checkpoint.initial=/no/such/dir", "config error: checkpoint.initial=/no/such/dir is not a directory"),
 ])
+@pytest.mark.multiprocess
 def test_bad_checkpoint_settings_are_config_errors(override, message, tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "+smoke=cpu", override,
                              f"output_dir={tmp_path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)

@@ -69,6 +69,7 @@ def test_unknown_group_choice_is_a_config_error():
     check_group_choices(["+recipe=llama_fsdp", "model=llama_debug", "training.steps=3"])
 
 
+@pytest.mark.multiprocess
 def test_print_config_without_running():
     result = subprocess.run(
         [sys.executable, "train.py", "+recipe=llama_fsdp", "--cfg", "job"],

@@ -7,8 +7,8 @@ from helpers import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.data import document_positions
-from trainer.models.llama import CausalAttention
 from trainer.models import attention as attention_kernels
+from trainer.models.attention import CausalAttention
 from trainer.parallel.context_parallel import METHODS, ContextParallelAttention, shard_sequence
 
 
@@ -55,6 +55,7 @@ def _matches_full_attention(rank, cp, method, fused, documents=False):
     ("ring", True, False), ("ring", False, False), ("allgather", True, False), ("ring", True, True),
     ("allgather", True, True),
 ])
+@pytest.mark.multiprocess
 def test_attention_and_its_gradients_equal_full_attention(method, fused, documents, cp):
     assert set(METHODS) == {"ring", "allgather"}
     spawn(_matches_full_attention, cp, method, fused, documents)

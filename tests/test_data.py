@@ -30,7 +30,7 @@ from trainer.data import (
     document_positions,
 )
 from trainer.errors import ConfigError
-from trainer.models.llama import attend_within_documents
+from trainer.models.attention import attend_within_documents
 from trainer.tokenizer import CHUNK_CHARS, build_tokenizer
 
 
@@ -162,6 +162,7 @@ def test_packing_keeps_every_token_once_in_file_order(tmp_path):
     assert len(stream) - len(labels) - 1 < 16  # only the last partial window is left out
 
 
+@pytest.mark.multiprocess
 def test_prepared_binary_file_is_the_same_stream(tmp_path):
     """prepare_data.py's workers share even one big file (cut into pieces) and write the stream the
     trainer reads from the text files."""
@@ -347,6 +348,7 @@ def write_corpus(folder: Path, n_files: int, docs_per_file: int = 150) -> Path:
     return folder
 
 
+@pytest.mark.multiprocess
 def test_training_on_json_rows_with_separate_validation_files(tmp_path):
     """Two ranks train on jsonl rows and validate on other files (validation.path); both losses fall."""
     corpus = write_corpus(tmp_path / "corpus", n_files=3, docs_per_file=40)
@@ -361,6 +363,7 @@ def test_training_on_json_rows_with_separate_validation_files(tmp_path):
     assert losses[-1] < 0.6 * losses[0] and len(val) == 2 and val[-1] < val[0] and val[-1] < 0.6 * losses[0]
 
 
+@pytest.mark.multiprocess
 def test_real_text_validation_loss_falls_well_below_the_unigram_entropy(tmp_path):
     """200 steps of llama_debug on a text corpus: the held-out loss ends far below the entropy of
     the corpus's byte frequencies (what a model that ignores context can reach)."""
@@ -382,6 +385,7 @@ def test_real_text_validation_loss_falls_well_below_the_unigram_entropy(tmp_path
     (1, ("model.vocab_size=200",),
      "config error: model.vocab_size=200 must be >= the tokenizer's 256 (data.tokenizer=bytes)"),
 ])
+@pytest.mark.multiprocess
 def test_data_config_errors(ranks, overrides, message, tmp_path):
     result = launch(ranks, "model=llama_debug", "+smoke=cpu", *overrides, output_dir=tmp_path)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

@@ -116,6 +116,7 @@ print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).gr
 """
 
 
+@pytest.mark.multiprocess
 def test_a_rank_holds_its_share_not_the_corpus(tmp_path):
     """Peak RSS of a rank reading batches from a 200 MB token file stays within a few MB of a 2 MB one's:
     the file is memory-mapped and the epoch's order (6M windows here) is never built."""

@@ -148,5 +148,6 @@ def _check_meshes(rank, world_size):
         assert fsdp.mesh_dim_names[-1] == "dp_shard_cp"
 
 
+@pytest.mark.multiprocess
 def test_mesh_dims_and_views_on_eight_ranks():
     spawn(_check_meshes, 8, timeout=240)

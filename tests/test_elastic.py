@@ -67,6 +67,7 @@ FORMS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("form", FORMS)
 def test_torchrun_restarts_killed_ranks_with_every_launch_form(form, reference, tmp_path):
     """Rank 0 and a random other rank killed mid-save (step 4, step 6) and mid-step (step 5, step 8),
@@ -111,6 +112,7 @@ def agent(node: int, out: Path, port: int, tmp_path: Path) -> subprocess.Popen:
                  launcher_args=("--max-restarts=3",))
 
 
+@pytest.mark.multiprocess
 def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_path):
     """Two nodes of 2 ranks; node 2 and its ranks are killed (SIGKILL) after step 4's checkpoint: the
     job goes on alone from step 4 on 2 ranks, twice the accumulation. A new node then joins: torchrun
@@ -155,6 +157,7 @@ def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_pa
 
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_cannot_form_its_group_stops_within_the_timeout_with_one_line(tmp_path):
     """Rank 0 of 2 told to use torchrun's store where none listens (the peer never comes): the rank
     stops after distributed.timeout_s with one line, never hangs."""

@@ -17,6 +17,7 @@ SMALL = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_
          "training.global_batch_size=4", "model.n_layers=2")
 
 
+@pytest.mark.multiprocess
 def test_a_stuck_rank_turns_into_a_report_from_every_rank_and_an_exit(tmp_path):
     """Rank 1 sleeps at the start of step 3 while rank 0 waits for it in FSDP's all-gather: within
     the step timeout both ranks print where they are, save it, and exit with the watchdog's status."""
@@ -49,6 +50,7 @@ def checkpoint_bytes(n_layers: int) -> int:
     return 12 * params
 
 
+@pytest.mark.multiprocess
 def test_a_disk_that_fills_during_a_save_stops_the_job_and_keeps_the_last_checkpoint(tmp_path):
     """checkpoints/ on a tmpfs with room for one checkpoint and a half: step 2's save fits, step 4's
     runs out of space. The job stops with one line naming the step and the error; step 2 stays the

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.multiprocess
 def test_gpu_check_runs_its_cpu_checks():
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--cpu"], cwd=REPO,
                             capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})

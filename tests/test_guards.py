@@ -71,10 +71,12 @@ def _check_finite(rank, world):
         check_finite([model], optimizer, step=5)
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank():
     spawn(_check_finite, 2, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_nan_is_skipped_or_stops_and_never_saved(tmp_path):
     """A NaN gradient at step 3 of a 2-rank FSDP run: skipped (the run goes on, finite, and says so),
     or with on_nonfinite=stop the job ends at the next log, non-zero, with no checkpoint after step 2."""
@@ -93,6 +95,7 @@ def test_nan_is_skipped_or_stops_and_never_saved(tmp_path):
     assert sorted(p.name for p in (tmp_path / "stop" / "checkpoints").iterdir()) == ["step_2"]
 
 
+@pytest.mark.multiprocess
 def test_spike_rolls_back_past_the_bad_batch(tmp_path):
     """A batch of scrambled tokens at step 12 (a spike against the falling loss): the step is skipped,
     the newest checkpoint (step 10) reloaded, and training reads on after that batch."""

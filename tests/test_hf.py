@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from trainer import build_model, load_weights
-from trainer.checkpoint.state import saved_config
 from trainer.checkpoint.hf import config_from_hf
+from trainer.checkpoint.state import saved_config
 from trainer.errors import ConfigError
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -46,6 +46,7 @@ def convert(*args: str) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_and_export_keep_transformers_logits(family, tmp_path):
     hf = hf_model(family, tmp_path / "hf")
@@ -81,6 +82,7 @@ def test_import_and_export_keep_transformers_logits(family, tmp_path):
         torch.testing.assert_close(back(tokens()).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_export_defaults_to_bfloat16_in_one_file(tmp_path):
     hf_model("mixtral", tmp_path / "hf")
     convert("from-hf", tmp_path / "hf", tmp_path / "ours")
@@ -149,6 +151,7 @@ def test_rotary_layout_matters(tmp_path):
         assert not torch.allclose(ours(tokens()), hf(tokens()).logits, atol=1e-3)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("family, recipe", [("llama", "llama_tp2"), ("mixtral", "mixtral_ep")])
 def test_initial_weights_from_a_hugging_face_directory(family, recipe, tmp_path):
     """checkpoint.initial=HF_DIR starts a sharded run from those weights, each rank reading its
@@ -201,6 +204,7 @@ def _load_by_slices(rank, world, path, expected_file):
     assert max(peaks) < 0.75 * model_mib, f"peak RSS per rank {peaks} MiB, the model is {model_mib:.0f} MiB"
 
 
+@pytest.mark.multiprocess
 def test_four_fsdp_ranks_read_only_their_slices_of_a_300m_model(tmp_path):
     """checkpoint.initial=HF_DIR on 4 ranks: each rank's peak memory stays well under the model's
     size (each reads its own slices), and the logits are transformers' own."""

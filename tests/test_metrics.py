@@ -1,11 +1,11 @@
 """FLOPs per token, device peaks and the console line."""
 
+import pytest
+import torch
+
 from trainer import build_model
 from trainer.config import load_model_config
 from trainer.metrics import cuda_peak_tflops, flops_per_token, format_record, peak_tflops
-
-import pytest
-import torch
 
 
 def test_flops_per_token_is_six_times_the_matmul_weights_plus_attention():

@@ -83,6 +83,7 @@ def test_bad_mixtures_are_config_errors(tmp_path):
             build_dataset(DataConfig(mix=mix, cache_dir=str(tmp_path / "cache"), **data), seq_len=16, seed=0)
 
 
+@pytest.mark.multiprocess
 def test_train_reads_a_mixture_from_the_command_line(tmp_path):
     """data.mix given as a Hydra list; a bad weight stops before any rank trains, in one line."""
     paths = sources(tmp_path)

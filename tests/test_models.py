@@ -1,5 +1,6 @@
 """The public build_model API, Llama's properties, and an initialisation independent of layout."""
 
+import pytest
 import torch
 from helpers import spawn
 
@@ -79,7 +80,8 @@ def _sharded_init_matches_unsharded(rank, world_size, tie):
     dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, world_size=world_size)
     dims.build_mesh("cpu")
     model = build_model(spec, device="meta")
-    apply_fsdp(model, list(model.layers.values()), dims.fsdp_mesh, torch.float32, torch.float32)
+    apply_fsdp(model, list(model.layers.values()), model.tok_embeddings, [model.norm, model.output], dims.fsdp_mesh,
+               torch.float32, torch.float32)
     materialize(model, "cpu")
     init_weights(model, seed=3)
     reference = dict(build_model(spec, seed=3).named_parameters())
@@ -89,6 +91,7 @@ def _sharded_init_matches_unsharded(rank, world_size, tie):
         assert model.output.weight is model.tok_embeddings.weight
 
 
+@pytest.mark.multiprocess
 def test_sharded_initialisation_equals_the_single_process_one():
     spawn(_sharded_init_matches_unsharded, 3, False)
     spawn(_sharded_init_matches_unsharded, 2, True)

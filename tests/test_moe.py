@@ -193,6 +193,7 @@ def _ep_matches_local(rank, ep, case):
         assert layer.experts.w1.grad.to_local().abs().max() == 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("case", ["routed", "an_unused_expert", "a_rank_without_tokens"])
 def test_expert_parallel_equals_the_local_layer(ep, case):

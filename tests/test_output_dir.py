@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import ENV, REPO, launch
 
 RUN = ("model=llama_debug", "+smoke=cpu", "training.seq_len=32", "training.global_batch_size=2", "model.n_layers=1")
 
 
+@pytest.mark.multiprocess
 def test_an_unwritable_output_dir_is_a_config_error(tmp_path):
     (tmp_path / "file").write_text("")
     result = launch(2, *RUN, output_dir=tmp_path / "file" / "run", timeout=120)
@@ -20,6 +22,7 @@ def test_an_unwritable_output_dir_is_a_config_error(tmp_path):
         result.stderr[-2000:]
 
 
+@pytest.mark.multiprocess
 def test_a_second_job_on_the_same_folder_stops_at_once(tmp_path):
     first = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "launch.py"), "1", *RUN, "training.steps=100000", f"output_dir={tmp_path}"],

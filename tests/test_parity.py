@@ -150,6 +150,7 @@ def check_against(reference: list[dict], records: list[dict], layout: str, rtol:
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_process(layout, reference, tmp_path):
     ranks, overrides = LAYOUTS[layout]
@@ -157,6 +158,7 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
     check_against(reference, records, layout, RTOL, GRAD_NORM_RTOL)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
     ranks, overrides, reference_overrides = MOE_LAYOUTS[layout]
@@ -195,6 +197,7 @@ def bf16_reference(tmp_path_factory) -> list[dict]:
     return train_metrics(1, "+recipe=llama_fsdp", *BF16_COMMON, *BF16, output_dir=tmp_path_factory.mktemp("bf16"))
 
 
+@pytest.mark.multiprocess
 def test_bf16_single_process_follows_fp32(bf16_reference, tmp_path):
     """bf16 changes the curve, within this (measured: loss 7.9e-3, gradient norm 1.1e-1)."""
     fp32 = train_metrics(1, "+recipe=llama_fsdp", *BF16_COMMON, output_dir=tmp_path)
@@ -205,6 +208,7 @@ def test_bf16_single_process_follows_fp32(bf16_reference, tmp_path):
     assert max_relative_difference(norms, expected_norms) <= 0.25
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", BF16_LAYOUTS)
 def test_bf16_layout_matches_single_process(layout, bf16_reference, tmp_path):
     ranks, overrides = BF16_LAYOUTS[layout]
@@ -238,6 +242,7 @@ def document_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
     return overrides, reference
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", DOCUMENT_LAYOUTS)
 def test_document_mask_layout_matches_single_process(layout, document_runs, tmp_path):
     overrides, reference = document_runs
@@ -264,6 +269,7 @@ def mixture_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
     return overrides, train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("mix1"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", MIXTURE_LAYOUTS)
 def test_mixture_layout_matches_single_process(layout, mixture_runs, reference, tmp_path):
     overrides, mixture_reference = mixture_runs
@@ -293,6 +299,7 @@ def guard_reference(tmp_path_factory) -> list[dict]:
     return records
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", GUARD_LAYOUTS)
 def test_guarded_layout_skips_the_same_steps(layout, guard_reference, tmp_path):
     ranks, overrides = GUARD_LAYOUTS[layout]

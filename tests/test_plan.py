@@ -98,6 +98,7 @@ def test_bad_input_is_one_line(args, message, capsys):
     assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
 
 
+@pytest.mark.multiprocess
 def test_train_refuses_a_job_that_will_not_fit():
     """Llama 3 8B without the debug model on this machine: stopped before any allocation."""
     start = time.perf_counter()
@@ -154,6 +155,7 @@ def train_case(layout: str, ac: str, tmp_path) -> list[dict]:
     return records
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, ac", CASES)
 def test_prediction_matches_measurement(layout, ac, tmp_path):
     """Rank 0's peak of live tensors (mem_tensor_gib) within 15% of the plan's; on 1 and 2 ranks
@@ -182,6 +184,7 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
             f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", SELECTIVE)
 def test_selective_checkpointing_keeps_less_than_none_and_more_than_full(layout, tmp_path):
     """Measured by the runs above (a case runs here only if it has not run yet)."""

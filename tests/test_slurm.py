@@ -91,6 +91,7 @@ def test_job_spans_two_nodes(two_node_run):
     assert records[-1]["loss"] < 0.8 * records[0]["loss"]
 
 
+@pytest.mark.multiprocess
 def test_preemption_signal_saves_requeues_and_resumes(slurm, two_node_run, tmp_path):
     out = tmp_path
     job = submit(slurm, out, *JOB)
@@ -130,6 +131,7 @@ def node_processes(job: str, node: int) -> list[int]:
     return found
 
 
+@pytest.mark.multiprocess
 def test_elastic_job_goes_on_without_a_lost_node(slurm, two_node_run, tmp_path):
     """MIN_NODES=1 with --no-kill: the second node's torchrun and ranks are killed after step 4's
     checkpoint (a node lost); the first node's ranks resume from it alone, on 2 ranks, and finish

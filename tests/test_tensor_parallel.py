@@ -1,13 +1,14 @@
 """Tensor parallel: where the logits live under loss parallel, and how much of the model each rank holds."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import spawn
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer import build_model
-from trainer.models import count_params, init_weights, materialize
-from trainer.parallel import parallelize_llama
+from trainer.models import count_params, family, init_weights, materialize
+from trainer.parallel import ParallelOptions, parallelize
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.tensor_parallel import loss_parallel_context
 from trainer.steps import cross_entropy
@@ -17,8 +18,7 @@ def _tp2_fsdp2(rank, world_size, loss_parallel):
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=world_size)
     dims.build_mesh("cpu")
     model = build_model("llama_debug", device="meta")
-    parallelize_llama(model, dims, param_dtype=torch.float32, reduce_dtype=torch.float32, activation_checkpoint="none",
-                      compile=False, sequence_parallel=True, loss_parallel=loss_parallel, cp_method="ring")
+    parallelize(model, family("llama"), dims, ParallelOptions(loss_parallel=loss_parallel))
     materialize(model, "cpu")
     init_weights(model, seed=0)
 
@@ -49,9 +49,11 @@ def _tp2_fsdp2(rank, world_size, loss_parallel):
     torch.testing.assert_close(value, expected)
 
 
+@pytest.mark.multiprocess
 def test_loss_parallel_keeps_logits_split_on_the_vocabulary():
     spawn(_tp2_fsdp2, 4, True)
 
 
+@pytest.mark.multiprocess
 def test_without_loss_parallel_logits_are_whole():
     spawn(_tp2_fsdp2, 4, False)

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import ENV, REPO, read_metrics, torchrun
 from omegaconf import OmegaConf
 
@@ -12,6 +13,7 @@ FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "
 SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
 
 
+@pytest.mark.multiprocess
 def test_torchrun_writes_metrics_config_console_lines_and_a_profile(tmp_path):
     result = torchrun(2, "+recipe=llama_fsdp", *SHORT, "metrics.peak_tflops=0.5", "metrics.profile_step=3",
                       output_dir=tmp_path, timeout=240)
@@ -32,6 +34,7 @@ def test_torchrun_writes_metrics_config_console_lines_and_a_profile(tmp_path):
         assert table.startswith(f"step 3, rank {rank}") and "aten::mm" in table and "FSDP::all_gather" in table
 
 
+@pytest.mark.multiprocess
 def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
     result = torchrun(4, "+recipe=llama_hsdp", "model=llama_debug", "+smoke=cpu", "parallel.tp=3",
                       output_dir=tmp_path, timeout=120)
@@ -43,6 +46,7 @@ def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.multiprocess
 def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
     cmd = [sys.executable, "train.py", "+recipe=llama_fsdp", *SHORT, "validation.every=2", "validation.steps=2",
            "metrics.wandb.enabled=true", f"output_dir={tmp_path}"]

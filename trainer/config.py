@@ -261,6 +261,8 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: Dict[str, Any] = field(default_factory=_checkpoint_keys)
+    # Python modules every rank imports first: model families defined outside trainer/ register there.
+    imports: List[str] = field(default_factory=list)
 
 
 def register_configs() -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.models.moe import MoE
+from trainer.models import ModelSpec, family
+from trainer.models.moe import moe_layers
 
 # Dense bf16 tensor-core peak in TFLOP/s, by the exact name torch.cuda.get_device_name() reports
 # (the product sheets' figures without sparsity). A name not here gets no guess: a near match
@@ -42,16 +43,8 @@ CUDA_PEAK_TFLOPS = {
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per weight that multiplies (all but the embedding lookup) plus
-    attention's score and value products (12 * layers * dim * seq_len; causal masking not discounted)."""
-    head_dim = model.dim // model.n_heads
-    attention = model.dim * head_dim * (2 * model.n_heads + 2 * model.n_kv_heads)
-    ffn = 3 * model.dim * model.ffn_dim
-    if model.n_experts:
-        ffn *= model.top_k
-        ffn += model.dim * model.n_experts  # router
-    matmul_weights = model.n_layers * (attention + ffn) + model.dim * model.vocab_size
-    return 6 * matmul_weights + 12 * model.n_layers * model.dim * seq_len
+    """Training FLOPs per token of the model config `model` (its family's count)."""
+    return family(model.family).flops_per_token(model, seq_len)
 
 
 class MoEStats:
@@ -63,18 +56,16 @@ class MoEStats:
         self.totals = torch.zeros(2, device=device)  # load-balancing loss, dropped slots
         self.steps = 0
 
-    def collect(self, parts: list, microbatches: int) -> None:
+    def collect(self, parts: list, spec: ModelSpec, microbatches: int) -> None:
         """Takes each layer's records of the step just run: its last `microbatches` ones (a pipeline
         schedule's first step also runs backward once more, on placeholder data, to infer shapes)."""
         for part in parts:
-            for index, block in part.layers.items():
-                layer = block.feed_forward
-                if not isinstance(layer, MoE):
-                    continue
-                for routed, balance, dropped in layer.routing_records[-microbatches:]:
-                    self.load[int(index)] += routed
-                    self.totals += torch.stack([balance / microbatches, dropped])
-                layer.routing_records.clear()
+            for index, block in spec.block_modules(part).items():
+                for layer in moe_layers(block):
+                    for routed, balance, dropped in layer.routing_records[-microbatches:]:
+                        self.load[int(index)] += routed
+                        self.totals += torch.stack([balance / microbatches, dropped])
+                    layer.routing_records.clear()
         self.steps += 1
 
     def report(self, layer_copies: int) -> dict:

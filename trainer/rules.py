@@ -18,7 +18,7 @@ import torch
 
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.errors import ConfigError
-from trainer.models import MODEL_CLASSES
+from trainer.models import family
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
@@ -64,17 +64,7 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
 
 
 def check_model(m) -> None:
-    if m.family not in MODEL_CLASSES:
-        raise ConfigError(f"model.family={m.family} is unknown; choose one of {sorted(MODEL_CLASSES)}")
-    if m.family == "llama" and m.n_experts:
-        raise ConfigError(f"model.n_experts={m.n_experts} needs model.family=mixtral: a Llama block has one feed-forward")
-    if m.family == "mixtral":
-        if m.n_experts < 1:
-            raise ConfigError(f"model.n_experts={m.n_experts} must be >= 1 for model.family=mixtral")
-        if not 1 <= m.top_k <= m.n_experts:
-            raise ConfigError(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
-        if m.capacity_factor is not None and m.capacity_factor <= 0:
-            raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
+    family(m.family).check(m)
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling)
 
@@ -303,19 +293,21 @@ def _check_pipeline_rules(pp: int, parallel, model) -> None:
     if parallel.pp_microbatches is not None and parallel.pp_microbatches < 1:
         raise ConfigError(f"parallel.pp_microbatches={parallel.pp_microbatches} must be >= 1")
     if parallel.pp_stage_modules is not None:
-        _check_stage_modules(parallel.pp_stage_modules, n_stages, model.n_layers)
+        _check_stage_modules(parallel.pp_stage_modules, n_stages, model)
 
 
-def _check_stage_modules(stages: list[list[str]], n_stages: int, n_layers: int) -> None:
+def _check_stage_modules(stages: list[list[str]], n_stages: int, model) -> None:
     """An explicit split must name every module once, in model order, with a layer on every stage."""
-    expected = ["tok_embeddings"] + [f"layers.{i}" for i in range(n_layers)] + ["norm", "output"]
+    spec = family(model.family)
+    expected = spec.pipeline_units(model.n_layers)
     given = [name for stage in stages for name in stage]
     if len(stages) != n_stages or given != expected or any(
-        not any(name.startswith("layers.") for name in stage) for stage in stages
+        not any(spec.is_block(name) for name in stage) for stage in stages
     ):
         raise ConfigError(
             f"parallel.pp_stage_modules must be {n_stages} lists that together name {expected[0]}, "
-            f"layers.0 .. layers.{n_layers - 1}, norm, output once each in that order, each with a layer"
+            f"{expected[1]} .. {expected[model.n_layers]}, {', '.join(expected[model.n_layers + 1:])} once each "
+            f"in that order, each with a layer"
         )
 
 

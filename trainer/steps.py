@@ -1,4 +1,4 @@
-"""This rank's model parts, and the functions that run one step on them: forward and backward over
+"""The functions that run one step on this rank's model parts: forward and backward over
 the step's microbatches (plain or through a pipeline schedule), forward only for validation, and
 the job's mean loss."""
 
@@ -13,56 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig
-from trainer.models import build_model, init_weights, materialize
-from trainer.models.llama import attend_within_documents
-from trainer.models.moe import set_aux_loss_scale
-from trainer.parallel import PARALLELIZE
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.pipeline import (
-    build_schedule,
-    forward_only,
-    keep_modules,
-    split_modules,
-    stage_ids,
-    stage_owners,
-)
+from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
 from trainer.parallel.tensor_parallel import loss_parallel_context
-from trainer.rules import DTYPES, param_dtype
-
-
-def build_model_parts(job: JobConfig, dims: ParallelDims, device: torch.device) -> tuple[list[nn.Module], list[int]]:
-    """This rank's model: the whole model, or its pipeline stages, each built on meta, parallelized,
-    then allocated and initialised shard by shard. Returns the parts and their stage indices."""
-    t = job.training
-    parallelize = partial(
-        PARALLELIZE[job.model.family], dims=dims, param_dtype=param_dtype(t.mixed_precision, device),
-        reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype], activation_checkpoint=t.activation_checkpoint,
-        activation_checkpoint_every=t.activation_checkpoint_every,
-        compile=t.compile, sequence_parallel=job.parallel.sequence_parallel, loss_parallel=job.parallel.loss_parallel,
-        cp_method=job.parallel.cp_method,
-    )
-    stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
-    if dims.pp_enabled:
-        stage_modules = job.parallel.pp_stage_modules or split_modules(
-            job.model.n_layers, dims.pp * dims.pp_stages_per_rank, job.parallel.pp_embedding_cost,
-            job.parallel.pp_output_cost,
-        )
-    parts = []
-    for stage in stages:
-        part = build_model(job.model, device="meta")
-        if job.data.document_mask:
-            attend_within_documents(part)
-        if dims.pp_enabled:
-            keep_modules(part, stage_modules[stage])
-        parallelize(part)
-        materialize(part, device)
-        init_weights(part, t.seed)
-        # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit.
-        # Under tensor parallel each tp rank's router sees its slice of the sequence and the
-        # router's gradients are summed over the tp ranks: each slice's loss counts 1/tp.
-        set_aux_loss_scale(part, 1 / (t.grad_accum_steps * dims.pp_microbatches * dims.tp))
-        parts.append(part)
-    return parts, stages
 
 
 def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainer.allocator import reuse_freed_memory
+from trainer.build import build_model_parts, build_options
 from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, Prefetcher, build_dataset, document_positions
@@ -25,6 +26,7 @@ from trainer.faults import Faults
 from trainer.guards import StepGuard, check_finite
 from trainer.memory import COUNTED_STEPS, TensorMemory, peak_memory_gib, peak_tensor_gib
 from trainer.metrics import MetricsLogger, MoEStats, flops_per_token, peak_tflops
+from trainer.models import family, import_modules
 from trainer.optim import build_optimizer, build_scheduler, clip_and_sum_loss_
 from trainer.output import OutputLock, check_writable
 from trainer.parallel.context_parallel import shard_batch
@@ -34,7 +36,7 @@ from trainer.plan import make_plan
 from trainer.plan.devices import local_device
 from trainer.profiler import StepProfiler
 from trainer.rules import check_checkpoint, check_job
-from trainer.steps import build_model_parts, describe_layout, describe_share, job_loss, local_tensor, make_step_fns
+from trainer.steps import describe_layout, describe_share, job_loss, local_tensor, make_step_fns
 from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
@@ -51,6 +53,7 @@ def build_datasets(job: JobConfig):
 def run(cfg: DictConfig) -> None:
     """Runs the job `cfg` (the composed Hydra config) on this rank."""
     job: JobConfig = OmegaConf.to_object(cfg)
+    import_modules(job.imports)
     device = resolve_device(job.device)
     dims = check_job(job, world_size())
     checkpoint = check_checkpoint(job.checkpoint)
@@ -119,7 +122,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         output_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
 
-    parts, stages = build_model_parts(job, dims, device)
+    parts, stages = build_model_parts(build_options(job, dims, device), dims, device)
     model = nn.ModuleList(parts)
     held = [local_tensor(p) for p in model.parameters()]
     param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
@@ -199,7 +202,7 @@ def train(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: Checkpoi
         if faults.at("nan_grad", step):
             faults.poison(model.parameters())
         if moe_stats is not None:
-            moe_stats.collect(parts, t.grad_accum_steps * dims.pp_microbatches)
+            moe_stats.collect(parts, family(job.model.family), t.grad_accum_steps * dims.pp_microbatches)
         grad_norm, loss_sum = clip_and_sum_loss_(model.parameters(), t.max_norm, loss)
         # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
         optimizer.found_inf = guard.check(step, loss_sum / loss_holders, grad_norm)

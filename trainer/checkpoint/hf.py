@@ -1,14 +1,13 @@
-"""Hugging Face interop: transformers' Llama and Mixtral directories (config.json + safetensors)
-to and from this trainer's parameter names and model config.
+"""Hugging Face interop: transformers' directories (config.json + safetensors) to and from this
+trainer's parameter names and model config. The config fields every decoder shares are read and
+written here; each family's own fields and tensor names come from its spec's `hf` mapping.
 
 Rotary embeddings: our attention rotates the two halves of each head ("rotate half"), as
 transformers' Llama and Mixtral do, and lays heads out contiguously in the q/k/v projections'
 rows, as they do, so q_proj and k_proj map over unchanged. (Meta's original checkpoints pair
 adjacent dimensions instead; transformers' conversion permutes their q/k rows once into the
 half-split layout, and its directories are what is read here.) The logit tests in
-tests/test_hf.py hold both conventions equal. Mixtral's experts are stored one tensor per expert
-(block_sparse_moe.experts.E.w1/w2/w3, the layout on disk of every transformers version); ours are
-stacked along a first experts dimension.
+tests/test_hf.py hold both conventions equal.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ import torch
 
 from trainer.config import ModelConfig, RopeScaling
 from trainer.errors import ConfigError
+from trainer.models import tied_names
+from trainer.models.spec import HFMapping, families, family, family_by_hf_type
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -29,9 +30,10 @@ def is_hf_dir(path: Path) -> bool:
 def config_from_hf(path: Path) -> ModelConfig:
     """Our model config for the Hugging Face model in directory `path`; unsupported features are errors."""
     hf = json.loads((path / "config.json").read_text())
-    family = {"llama": "llama", "mixtral": "mixtral"}.get(hf.get("model_type"))
-    if family is None:
-        raise ConfigError(f"{path}/config.json: model_type={hf.get('model_type')} is not supported (llama, mixtral)")
+    spec = family_by_hf_type(hf.get("model_type"))
+    if spec is None:
+        supported = ", ".join(s.hf.model_type for s in map(family, families()) if s.hf is not None)
+        raise ConfigError(f"{path}/config.json: model_type={hf.get('model_type')} is not supported ({supported})")
     # transformers 5 writes rope_parameters; earlier versions rope_theta and rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -41,18 +43,14 @@ def config_from_hf(path: Path) -> ModelConfig:
             raise ConfigError(f"{path}/config.json: {key}={bad} is not supported")
     if head_dim * hf["num_attention_heads"] != hf["hidden_size"] or hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{path}/config.json: head_dim * heads must equal hidden_size, with silu activations")
-    cfg = ModelConfig(
-        family=family, name=path.name, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+    return ModelConfig(
+        family=spec.family, name=path.name, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings")),
+        tie_embeddings=bool(hf.get("tie_word_embeddings")), **spec.hf.config_fields(hf),
     )
-    if family == "mixtral":
-        cfg.n_experts, cfg.top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
-        cfg.aux_loss_coef = hf.get("router_aux_loss_coef", 0.0)
-    return cfg
 
 
 def _rope_scaling_from_hf(rope: dict, path: Path) -> RopeScaling | None:
@@ -79,52 +77,22 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
             "original_max_position_embeddings": r.original_max_seq_len}
 
 
+def hf_mapping(cfg: ModelConfig) -> HFMapping:
+    mapping = family(cfg.family).hf
+    if mapping is None:
+        raise ConfigError(f"model.family={cfg.family} has no Hugging Face mapping")
+    return mapping
+
+
 def hf_config(cfg: ModelConfig):
     """A transformers config object for our model config."""
-    from transformers import LlamaConfig, MixtralConfig
-
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
         rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
         rope_parameters=_rope_parameters(cfg), hidden_act="silu",
     )
-    if cfg.family == "mixtral":
-        return MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                             router_aux_loss_coef=cfg.aux_loss_coef, **common)
-    return LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, mlp_bias=False, **common)
-
-
-def _layer_names(i: int, moe: bool) -> dict[str, str]:
-    """Our name -> Hugging Face name, for the tensors of layer i other than the experts."""
-    ours, hf = f"layers.{i}.", f"model.layers.{i}."
-    names = {
-        "attention_norm.weight": "input_layernorm.weight",
-        "attention.wq.weight": "self_attn.q_proj.weight",
-        "attention.wk.weight": "self_attn.k_proj.weight",
-        "attention.wv.weight": "self_attn.v_proj.weight",
-        "attention.wo.weight": "self_attn.o_proj.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-    }
-    if moe:
-        names["feed_forward.router.weight"] = "block_sparse_moe.gate.weight"
-    else:
-        names |= {"feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-                  "feed_forward.w2.weight": "mlp.down_proj.weight"}
-    return {ours + a: hf + b for a, b in names.items()}
-
-
-def _names(cfg: ModelConfig) -> dict[str, str]:
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(cfg.n_layers):
-        names |= _layer_names(i, cfg.n_experts > 0)
-    return names
-
-
-def _expert_names(cfg: ModelConfig, i: int, w: str) -> list[str]:
-    return [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(cfg.n_experts)]
+    return hf_mapping(cfg).config(cfg, common)
 
 
 def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -144,19 +112,15 @@ def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     weights = {ours: take(hf) if isinstance(hf, str) else torch.stack([take(name) for name in hf])
                for ours, hf in hf_sources(cfg).items()}
-    if cfg.tie_embeddings:
-        weights["output.weight"] = weights["tok_embeddings.weight"]
+    for alias, name in tied_names(cfg).items():
+        weights[alias] = weights[name]
     return cfg, weights
 
 
 def hf_sources(cfg: ModelConfig) -> dict[str, str | list[str]]:
-    """Our weight name -> the Hugging Face tensor it is, or for our stacked experts the list of
-    per-expert tensors in expert order."""
-    sources: dict[str, str | list[str]] = dict(_names(cfg))
-    for i in range(cfg.n_layers) if cfg.n_experts else ():
-        for w in ("w1", "w2", "w3"):
-            sources[f"layers.{i}.feed_forward.experts.{w}"] = _expert_names(cfg, i, w)
-    return sources
+    """Our weight name -> the Hugging Face tensor it is, or for a tensor we stack (experts) the list
+    of its tensors in stacking order."""
+    return dict(hf_mapping(cfg).names(cfg))
 
 
 def hf_tensors(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
@@ -179,7 +143,7 @@ def _layer_order(hf_name: str) -> tuple[int, str]:
 def write_hf_config(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> None:
     """config.json for our model config, stating the weights' dtype, readable by transformers 4 and 5."""
     config = hf_config(cfg)
-    config.architectures = ["MixtralForCausalLM" if cfg.family == "mixtral" else "LlamaForCausalLM"]
+    config.architectures = [hf_mapping(cfg).architecture]
     config.save_pretrained(out)
     path = out / "config.json"
     written = json.loads(path.read_text())

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpoint.hf import config_from_hf, hf_sources
 from trainer.checkpoint.safetensors_io import SafetensorsFile
 from trainer.errors import ConfigError
-from trainer.models import copy_full
+from trainer.models import copy_full, tied_names
 
 
 @torch.no_grad()
@@ -22,8 +22,7 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
     the Hugging Face directory `path`, reading this rank's slices only."""
     cfg = config_from_hf(path)
     sources = hf_sources(cfg)
-    if cfg.tie_embeddings:
-        sources["output.weight"] = sources["tok_embeddings.weight"]
+    sources |= {alias: sources[name] for alias, name in tied_names(cfg).items()}
     files = _tensor_files(path)
 
     def read(hf_name: str, expected: list[int], box: tuple[slice, ...]) -> torch.Tensor:

@@ -1,7 +1,12 @@
-"""Model construction and an initialisation that does not depend on the parallel layout."""
+"""Model families, their registry, and model construction with an initialisation that does not
+depend on the parallel layout.
+
+A family is a folder (trainer/models/<family>/) whose package registers one ModelSpec; a family
+defined elsewhere registers itself the same way, with `register_family`, before the job is built."""
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Mapping
 
@@ -12,10 +17,20 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.config import ModelConfig, load_model_config
 from trainer.errors import ConfigError
-from trainer.models.llama import Llama
-from trainer.models.mixtral import Mixtral
+from trainer.models import llama, mixtral  # noqa: F401  (they register themselves)
+from trainer.models.spec import ModelSpec, families, family, register_family
 
-MODEL_CLASSES = {"llama": Llama, "mixtral": Mixtral}
+__all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules", "init_weights", "materialize",
+           "model_config", "register_family", "tied_names"]
+
+
+def import_modules(names: list[str]) -> None:
+    """Imports the modules `names` (the config's `imports`), in which families register themselves."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"imports: {name} cannot be imported ({e}); give a module on the Python path") from None
 
 
 def model_config(spec: str | Mapping | ModelConfig) -> ModelConfig:
@@ -31,10 +46,8 @@ def model_config(spec: str | Mapping | ModelConfig) -> ModelConfig:
 def build_model(spec: str | Mapping | ModelConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
     """A plain nn.Module in fp32. On "meta" it is left uninitialised, to be sharded first."""
     cfg = model_config(spec)
-    if cfg.family not in MODEL_CLASSES:
-        raise ConfigError(f"model.family={cfg.family} is unknown; choose one of {sorted(MODEL_CLASSES)}")
     with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.family](cfg)
+        model = family(cfg.family).model(cfg)
     if torch.device(device).type != "meta":
         materialize(model, device)
         init_weights(model, seed)
@@ -83,6 +96,17 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(param, DTensor):
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     local.copy_(full)
+
+
+def tied_names(cfg: ModelConfig) -> dict[str, str]:
+    """Each name of a parameter shared with an earlier one (a tied output head) -> that one's name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in build_model(cfg, device="meta").named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        first.setdefault(id(param), name)
+    return tied
 
 
 def count_params(model: nn.Module) -> int:

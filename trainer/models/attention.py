@@ -31,6 +31,7 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # Per device type and case, the kernel used; a device or case missing here gets "math".
 KERNELS = {
@@ -259,3 +260,29 @@ def _flex(q, k, v, causal: bool, mask: Mask):
     block_mask = create_block_mask(sees, batch, None, q.shape[2], k.shape[2], device=q.device)
     flex = _compiled_flex() if q.device.type == "cuda" else flex_attention
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(head_dim)) v, each position seeing itself and the ones before.
+    q [batch, heads, seq, head_dim]; k and v may have fewer heads (grouped-query attention).
+    Its own module so that a parallelism can swap in another kernel for the same function.
+
+    With `within_documents` (data.document_mask) a position sees only the earlier ones of its own
+    document: `positions` [batch, seq] then count from each document's start, so the token at
+    index i with position p sees indices i-p..i."""
+
+    within_documents = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.within_documents:
+            return attention(q, k, v, causal=True)
+        index = torch.arange(q.shape[2], device=q.device)
+        return attention(q, k, v, causal=True, mask=Mask(index, index, index - positions))
+
+
+def attend_within_documents(model: nn.Module) -> None:
+    """Attention of every block stays within each document of a packed sequence."""
+    for module in model.modules():
+        if isinstance(module, CausalAttention):
+            module.within_documents = True

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -36,27 +37,27 @@ def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpoint(layers: nn.ModuleDict, mode: str, every: int = 1,
-                                experts_sharded: bool = False) -> None:
-    """Checkpoints the blocks of `layers` (named by their index in the whole model, so a pipeline
-    stage checkpoints the same blocks as one rank holding them all).
+def apply_activation_checkpoint(blocks: nn.ModuleDict, mode: str, every: int = 1,
+                                regions: Callable[[nn.Module], list[nn.Module]] | None = None) -> None:
+    """Checkpoints the blocks (keyed by their index in the whole model, so a pipeline stage
+    checkpoints the same blocks as one rank holding them all).
 
-    `experts_sharded`: each block's experts are an FSDP unit of their own (expert parallel). Their
-    hooks gather and free parameters inside the block, a different number of times in the recompute
-    than in forward, which torch's (2.13) selective checkpointing takes for a replay mismatch; so
-    under `selective` the attention and the experts are checkpointed each on its own, the unit's
-    hooks outside, and the norms and the router keep what they save.
+    `regions` (the family's, given when each block's experts are an FSDP unit of their own under
+    expert parallel): the parts of a block checkpointed each on its own under `selective`. The
+    experts' FSDP hooks gather and free parameters inside the block, a different number of times in
+    the recompute than in forward, which torch's (2.13) selective checkpointing takes for a replay
+    mismatch; checkpointed apart, the unit's hooks run outside, and the rest (norms, router) keeps
+    what it saves.
     """
     if mode == "none":
         return
     options = {}
     if mode == "selective":
         options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_expensive)
-    for name, block in layers.items():
+    for name, block in blocks.items():
         if mode == "full" and int(name) % every:
             continue
-        regions = [block.attention, block.feed_forward.experts] if mode == "selective" and experts_sharded else [block]
-        for module in regions:
+        for module in regions(block) if mode == "selective" and regions is not None else [block]:
             _checkpoint_forward(module, options)
 
 

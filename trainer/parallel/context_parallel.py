@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.models.attention import Mask, attention, block_backward, block_forward
+from trainer.models.attention import CausalAttention, Mask, attention, block_backward, block_forward
 
 METHODS = ("ring", "allgather")
 
@@ -46,9 +46,12 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, cp_rank: int, cp: in
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
-    """Every block's attention kernel becomes the context-parallel one."""
-    for block in model.layers.values():
-        block.attention.sdpa = ContextParallelAttention(cp_mesh, method, block.attention.sdpa.within_documents)
+    """Every attention kernel module (CausalAttention, whatever family holds it) becomes the
+    context-parallel one."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, CausalAttention):
+                setattr(parent, name, ContextParallelAttention(cp_mesh, method, child.within_documents))
 
 
 class ContextParallelAttention(nn.Module):

@@ -8,7 +8,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.distributed import set_timeouts
 
-
 # Outermost first: tp is innermost so its ranks are neighbours (inside one node).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Flattened views: name -> the mesh dimensions it joins.

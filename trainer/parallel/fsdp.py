@@ -1,5 +1,6 @@
-"""FSDP2 (fully_shard) and HSDP: each transformer block one unit, the embedding one, the final norm
-and output head one, and the root (whatever is left: the embedding and head when tied)."""
+"""FSDP2 (fully_shard) and HSDP: each transformer block one unit (its experts another, under expert
+parallel), the embedding one, the head (final norm and output) one, and the root (whatever is left:
+the embedding and head when tied)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer.models.moe import moe_layers
 
-def edge_units(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
-    """The embedding and the [final norm, output head] as FSDP units of their own: (None, []) when the
-    head is tied to the embedding, as both then stay in the root; an absent module (a pipeline stage
-    without it) is left out."""
-    embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
-    if embedding is not None and model.output is not None and model.output.weight is embedding.weight:
+
+def edge_units(embedding: nn.Module | None, head: list[nn.Module]) -> tuple[nn.Module | None, list[nn.Module]]:
+    """The embedding and the head (the final norm and output) as FSDP units of their own: (None, [])
+    when the head shares a weight with the embedding (tied), as both then stay in the root."""
+    if embedding is not None and {id(p) for p in embedding.parameters()} & {id(p) for m in head for p in m.parameters()}:
         return None, []
     return embedding, head
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, pipelined: bool = False, expert_mesh: DeviceMesh | None = None) -> None:
-    """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP.
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module | None, head: list[nn.Module],
+               mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype, pipelined: bool = False,
+               expert_mesh: DeviceMesh | None = None) -> None:
+    """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP. `embedding`
+    and `head` are None and [] where a pipeline stage lacks them.
 
-    With `expert_mesh` (expert parallel), each block's experts are a unit of their own on that mesh.
+    With `expert_mesh` (expert parallel), each MoE layer's experts are a unit of their own on that mesh.
     The embedding and the head are units of their own, so that a large vocabulary's weights are
     gathered only while they are used (unless tied: then both stay in the root).
 
@@ -36,14 +39,15 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     def shard(module: nn.Module | list[nn.Module], reshard: bool, on: DeviceMesh = mesh) -> None:
         fully_shard(module, mesh=on, mp_policy=mp_policy, reshard_after_forward=reshard and not pipelined)
 
-    embedding, head = edge_units(model)
+    embedding, head = edge_units(embedding, head)
     if embedding is not None:
         shard(embedding, reshard=True)  # needed again only at the very end of backward
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         reshard = i < len(blocks) - 1
         if expert_mesh is not None:
-            shard(block.feed_forward.experts, reshard, on=expert_mesh)
+            for layer in moe_layers(block):
+                shard(layer.experts, reshard, on=expert_mesh)
         shard(block, reshard)
     if head:
         shard(head, reshard=False)  # backward starts with them

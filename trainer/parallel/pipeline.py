@@ -23,7 +23,6 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -61,25 +60,26 @@ def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
-def split_modules(n_layers: int, n_stages: int, embedding_cost: float, output_cost: float) -> list[list[str]]:
+def split_modules(embedding: str, layers: list[str], head: list[str], n_stages: int, embedding_cost: float,
+                  output_cost: float) -> list[list[str]]:
     """Module names per stage, contiguous, balancing the cost of layers plus embedding and head.
 
-    The embedding and the output head (with the final norm) count as `embedding_cost` and
-    `output_cost` layers. Each stage takes at least one layer, then more while it stays within
-    its even share of what is left, leaving a layer for every later stage.
+    The embedding and the output head (the last module of `head`; the others, a final norm, count
+    nothing) count as `embedding_cost` and `output_cost` layers. Each stage takes at least one layer,
+    then more while it stays within its even share of what is left, leaving a layer for every later
+    stage.
     """
-    units = [("tok_embeddings", embedding_cost)] + [(f"layers.{i}", 1.0) for i in range(n_layers)]
-    units += [("norm", 0.0), ("output", output_cost)]
+    units = [(embedding, embedding_cost, False)] + [(name, 1.0, True) for name in layers]
+    units += [(name, 0.0, False) for name in head[:-1]] + [(head[-1], output_cost, False)]
     stages: list[list[str]] = []
-    remaining = sum(cost for _, cost in units)
+    remaining = sum(cost for _, cost, _ in units)
     position = 0
     for stage in range(n_stages):
         share = remaining / (n_stages - stage)
         taken, cost, has_layer = [], 0.0, False
-        layers_left = sum(name.startswith("layers.") for name, _ in units[position:])
+        layers_left = sum(is_layer for _, _, is_layer in units[position:])
         while position < len(units):
-            name, unit_cost = units[position]
-            is_layer = name.startswith("layers.")
+            name, unit_cost, is_layer = units[position]
             if has_layer and is_layer and (cost + unit_cost > share + 1e-9 or layers_left <= n_stages - stage - 1):
                 break
             taken.append(name)
@@ -89,18 +89,22 @@ def split_modules(n_layers: int, n_stages: int, embedding_cost: float, output_co
             position += 1
         stages.append(taken)
         remaining -= cost
-    stages[-1] += [name for name, _ in units[position:]]
+    stages[-1] += [name for name, _, _ in units[position:]]
     return stages
 
 
-def keep_modules(model: nn.Module, names: list[str]) -> nn.Module:
-    """Removes from `model` (in place) every top-level part and layer not named in `names`."""
-    for layer in list(model.layers):
-        if f"layers.{layer}" not in names:
-            del model.layers[layer]
-    for part in ("tok_embeddings", "norm", "output"):
-        if part not in names:
-            setattr(model, part, None)
+def keep_modules(model: nn.Module, units: list[str], kept: list[str]) -> nn.Module:
+    """Removes from `model` (in place) every unit of `units` (module paths) not in `kept`: a member
+    of a ModuleDict (a layer) is deleted, any other module set to None."""
+    for unit in units:
+        if unit in kept:
+            continue
+        parent_path, _, name = unit.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        if isinstance(parent, nn.ModuleDict):
+            del parent[name]
+        else:
+            setattr(parent, name, None)
     return model
 
 

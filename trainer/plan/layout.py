@@ -1,8 +1,8 @@
 """What each rank holds of the model, read from the real parallelized module tree.
 
-The model is built on the meta device and handed to the same parallelize function training
-uses, on a mesh of the job's real world size made by torch's `fake` process-group backend (one
-process plays rank 0 of any world). Each parameter's local shard then has the shape training
+The model is built on the meta device by the function training builds it with (trainer/build.py),
+on a mesh of the job's real world size made by torch's `fake` process-group backend (one process
+plays rank 0 of any world). Each parameter's local shard then has the shape training
 would give it, so the plan cannot drift from the code.
 """
 
@@ -11,20 +11,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from trainer.build import build_options, build_part, one_block
 from trainer.config import JobConfig
-from trainer.models import build_model
-from trainer.models.llama import attend_within_documents
-from trainer.parallel import PARALLELIZE
+from trainer.models import ModelSpec, family
+from trainer.models.moe import moe_layers
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import edge_units
-from trainer.parallel.pipeline import keep_modules, split_modules, stage_ids
-from trainer.rules import DTYPES
+from trainer.parallel.pipeline import stage_ids
 
 # The mesh dimensions FSDP shards parameters over (dp_replicate only replicates them).
 FSDP_DIMS = ("dp_shard_cp", "dp_shard_mod_ep")
@@ -42,12 +40,9 @@ class Unit:
 @dataclass
 class StageHoldings:
     stage: int
-    modules: list[str]  # the top-level modules and layers of this stage
+    modules: list[str]  # the family's pipeline units (embedding, blocks, head) this stage holds
     units: list[Unit]
-
-    @property
-    def layers(self) -> int:
-        return sum(name.startswith("layers.") for name in self.modules)
+    layers: int  # how many of them are blocks
 
 
 @contextlib.contextmanager
@@ -80,53 +75,42 @@ def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
 
 
 def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
+    spec = family(job.model.family)
     dims = dataclasses.replace(dims)  # a mesh of its own, in the fake world
     with fake_world(dims.world_size):
         dims.build_mesh("cpu")
-        parallelize = partial(
-            PARALLELIZE[job.model.family], dims=dims, param_dtype=DTYPES["float32"], reduce_dtype=DTYPES["float32"],
-            activation_checkpoint="none", compile=False, sequence_parallel=job.parallel.sequence_parallel,
-            loss_parallel=job.parallel.loss_parallel, cp_method=job.parallel.cp_method,
-        )
-        n_stages = dims.pp * dims.pp_stages_per_rank
-        every = ["tok_embeddings", *(f"layers.{i}" for i in range(job.model.n_layers)), "norm", "output"]
-        modules = [every] if not dims.pp_enabled else job.parallel.pp_stage_modules or split_modules(
-            job.model.n_layers, n_stages, job.parallel.pp_embedding_cost, job.parallel.pp_output_cost)
+        options = build_options(job, dims, "cpu")
         by_stage = {}
-        for stage in range(n_stages):
-            layers = [name for name in modules[stage] if name.startswith("layers.")]
+        for stage, modules in enumerate(options.stage_modules):
+            layers = [name for name in modules if spec.is_block(name)]
             # Blocks are alike: a model of one block stands for each of the stage's.
-            model = build_model(dataclasses.replace(job.model, n_layers=1), device="meta")
-            if job.data.document_mask:
-                attend_within_documents(model)
-            keep_modules(model, ["layers.0", *(name for name in modules[stage] if name not in layers)])
-            parallelize(model)
-            units = _units(model, dims.ep_enabled)
-            units = [Unit(u.name.replace("layers.0", layer), u.sharded, u.gathered)
-                     for layer in layers for u in units if u.name.startswith("layers.")] + [
-                     u for u in units if not u.name.startswith("layers.")]
-            by_stage[stage] = StageHoldings(stage, modules[stage], units)
+            one, kept = one_block(options, modules)
+            units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
+            block = spec.block_name(0)
+            units = [Unit(u.name.replace(block, layer, 1), u.sharded, u.gathered)
+                     for layer in layers for u in units if spec.is_block(u.name)] + [
+                     u for u in units if not spec.is_block(u.name)]
+            by_stage[stage] = StageHoldings(stage, modules, units, len(layers))
     return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
             for r in range(dims.pp)]
 
 
-def _units(model: torch.nn.Module, experts_apart: bool) -> list[Unit]:
+def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool) -> list[Unit]:
     """The FSDP units of a parallelized model (see apply_fsdp): each block (with expert parallel, its
-    experts apart), the embedding, the final norm and head, then the root's own parameters."""
+    experts apart), the embedding, the head, then the root's own parameters."""
     units = []
     claimed = set()
-    embedding, head = edge_units(model)
-    for name, modules in (("tok_embeddings", [embedding] if embedding is not None else []), ("head", head)):
+    embedding, head = edge_units(spec.part(model, spec.embedding), spec.head_modules(model))
+    for name, modules in (("embedding", [embedding] if embedding is not None else []), ("head", head)):
         if modules:
             params = [p for m in modules for p in m.parameters()]
             units.append(_unit(name, params))
             claimed |= {id(p) for p in params}
-    for index, block in model.layers.items():
-        experts = getattr(block.feed_forward, "experts", None)
-        if experts_apart and experts is not None:
-            units.append(_unit(f"layers.{index}.experts", experts.parameters()))
-            claimed |= {id(p) for p in experts.parameters()}
-        units.append(_unit(f"layers.{index}", (p for p in block.parameters() if id(p) not in claimed)))
+    for index, block in spec.block_modules(model).items():
+        for layer in moe_layers(block) if experts_apart else []:
+            units.append(_unit(f"{spec.block_name(index)}.experts", layer.experts.parameters()))
+            claimed |= {id(p) for p in layer.experts.parameters()}
+        units.append(_unit(spec.block_name(index), (p for p in block.parameters() if id(p) not in claimed)))
         claimed |= {id(p) for p in block.parameters()}
     units.append(_unit("root", (p for p in model.parameters() if id(p) not in claimed)))
     return units

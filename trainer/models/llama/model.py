@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.attention import Mask, attention
+from trainer.models.attention import CausalAttention
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
@@ -45,32 +45,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
     return x * cos + rotated * sin
-
-
-class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(head_dim)) v, each position seeing itself and the ones before.
-    q [batch, heads, seq, head_dim]; k and v may have fewer heads (grouped-query attention).
-    Its own module so that a parallelism can swap in another kernel for the same function.
-
-    With `within_documents` (data.document_mask) a position sees only the earlier ones of its own
-    document: `positions` [batch, seq] then count from each document's start, so the token at
-    index i with position p sees indices i-p..i."""
-
-    within_documents = False
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.within_documents:
-            return attention(q, k, v, causal=True)
-        index = torch.arange(q.shape[2], device=q.device)
-        return attention(q, k, v, causal=True, mask=Mask(index, index, index - positions))
-
-
-def attend_within_documents(model: nn.Module) -> None:
-    """Attention of every block stays within each document of a packed sequence."""
-    for module in model.modules():
-        if isinstance(module, CausalAttention):
-            module.within_documents = True
 
 
 class Attention(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from trainer.models.llama import Llama
+from trainer.models.llama.model import Llama
 from trainer.models.moe import MoE
 
 

@@ -1,0 +1,121 @@
+"""A model family as one object: what the parallel code, the checkpoint converters, the metrics and the
+config checks need to know about it, registered once under its `model.family` name.
+
+The parallel code names no module of any family: it asks the family's spec where its blocks, its
+embedding and its head are, and applies the tensor-parallel plan the spec writes as data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from trainer.config import ModelConfig
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """How a family reads and writes transformers' directories (config.json + safetensors).
+
+    `config_fields(hf)`: the family's own ModelConfig fields from a config.json (the fields every
+    decoder shares are read by trainer/checkpoint/hf.py); `config(cfg, common)`: a transformers
+    config object, given those shared keyword arguments; `names(cfg)`: our weight name -> the
+    Hugging Face tensor, or for a tensor we stack (experts) the list of tensors in stacking order."""
+
+    model_type: str
+    architecture: str
+    config_fields: Callable[[dict], dict]
+    config: Callable[[ModelConfig, dict], object]
+    names: Callable[[ModelConfig], dict[str, str | list[str]]]
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Module path (fnmatch patterns, as parallelize_module takes them) -> ParallelStyle, for the
+    whole model; paths a pipeline stage lacks are left out when it is applied."""
+
+    styles: dict
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything particular to one model family.
+
+    - `model`: the plain-PyTorch model class, built from a ModelConfig; it defines `init_std(name)`,
+      and forward accepts a stage's inputs (hidden states when it has no embedding) and returns
+      hidden states when it has no head.
+    - `embedding`, `blocks`, `head`: module paths. The blocks live in an nn.ModuleDict keyed by their
+      index; the embedding, each block and the head (its modules together) are the pipeline and FSDP
+      units, in that order. A stage keeps some of them and the others are set to None (removed from
+      the ModuleDict), so parameter names stay those of the whole model.
+    - `tp_plan(sequence_parallel, loss_parallel)`: the tensor-parallel plan.
+    - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
+      activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
+    - `flops_per_token(cfg, seq_len)`: training FLOPs per token; `check(cfg)`: the family's config
+      rules (ConfigError); `hf`: its Hugging Face mapping, None if it has none.
+    """
+
+    family: str
+    model: Callable[[ModelConfig], nn.Module]
+    tp_plan: Callable[[bool, bool], TensorParallelPlan]
+    flops_per_token: Callable[[ModelConfig, int], float]
+    check: Callable[[ModelConfig], None] = lambda cfg: None
+    hf: HFMapping | None = None
+    checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None
+    embedding: str = "tok_embeddings"
+    blocks: str = "layers"
+    head: tuple[str, ...] = ("norm", "output")
+
+    def block_name(self, index: int | str) -> str:
+        return f"{self.blocks}.{index}"
+
+    def pipeline_units(self, n_layers: int) -> list[str]:
+        """The names a pipeline split and `parallel.pp_stage_modules` use, in model order."""
+        return [self.embedding, *(self.block_name(i) for i in range(n_layers)), *self.head]
+
+    def is_block(self, unit: str) -> bool:
+        return unit.startswith(self.blocks + ".")
+
+    def block_modules(self, model: nn.Module) -> nn.ModuleDict:
+        """The model's (or stage's) blocks by index."""
+        return model.get_submodule(self.blocks)
+
+    def part(self, model: nn.Module, path: str) -> nn.Module | None:
+        """The module at `path`, None where a pipeline stage has removed it."""
+        module: nn.Module | None = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                return None
+        return module
+
+    def head_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [m for m in (self.part(model, path) for path in self.head) if m is not None]
+
+
+_FAMILIES: dict[str, ModelSpec] = {}
+
+
+def register_family(spec: ModelSpec) -> ModelSpec:
+    """Makes `spec` the family `model.family=<spec.family>` builds; returns it."""
+    _FAMILIES[spec.family] = spec
+    return spec
+
+
+def family(name: str) -> ModelSpec:
+    """The registered family `name` (a config error naming the key if there is none)."""
+    if name not in _FAMILIES:
+        raise ConfigError(f"model.family={name} is unknown; choose one of {families()}")
+    return _FAMILIES[name]
+
+
+def families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def family_by_hf_type(model_type: str | None) -> ModelSpec | None:
+    """The family whose Hugging Face `model_type` this is, if any."""
+    return next((s for s in _FAMILIES.values() if s.hf is not None and s.hf.model_type == model_type), None)
