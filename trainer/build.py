@@ -20,7 +20,7 @@ from trainer.models.moe import set_aux_loss_scale
 from trainer.parallel import ParallelOptions, parallelize
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import keep_modules, split_modules, stage_ids
-from trainer.rules import DTYPES, param_dtype
+from trainer.tensors import DTYPES, param_dtype
 
 
 @dataclass(frozen=True)

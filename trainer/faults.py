@@ -9,8 +9,9 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
                       the checkpoint not yet published
 
 Each fault fires once per job: a file under output_dir/faults records it, so that a job restarted
-by its launcher, or a step run again after a rollback, runs clean. Unset (the normal case),
-nothing is injected and nothing is checked but a dictionary lookup.
+by its launcher, or a step run again after a rollback, runs clean. The loop calls the hooks
+`before_forward`, `after_backward`, `corrupt` (the data's) and the checkpointer's `kill_save`; unset
+(the normal case), nothing is injected and each hook costs a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import ConfigError
-from trainer.steps import local_tensor
+from trainer.tensors import local_tensor
 
 KINDS = {"nan_grad", "garbage_batch", "hang", "kill", "kill_save"}
 
@@ -65,6 +66,18 @@ class Faults:
                 while True:
                     time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_forward(self, step: int) -> None:
+        self.hang_or_kill("hang", step)
+
+    def after_backward(self, step: int, parameters) -> None:
+        self.hang_or_kill("kill", step)
+        if self.at("nan_grad", step):
+            self.poison(parameters)
+
+    def corrupt(self, step: int, batches: list, vocab_size: int) -> list:
+        """The step's batches, scrambled if `garbage_batch` is due."""
+        return self.garbage(batches, vocab_size) if self.at("garbage_batch", step) else batches
 
     @staticmethod
     @torch.no_grad()

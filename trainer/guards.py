@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from trainer.errors import TrainingStopped
-from trainer.steps import local_tensor
+from trainer.tensors import local_tensor
 
 
 class StepGuard:

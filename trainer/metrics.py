@@ -133,6 +133,26 @@ def cuda_peak_tflops(name: str) -> float | None:
     return peak
 
 
+class Throughput:
+    """Tokens per second and MFU of the whole job over the steps since `reset`."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float | None, world_size: int,
+                 step: int):
+        self.tokens_per_step, self.flops, self.peak, self.world_size = (tokens_per_step, flops_per_token,
+                                                                        peak_tflops, world_size)
+        self.start = time.perf_counter()
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.last_step, self.last_time = step, time.perf_counter()
+
+    def report(self, step: int) -> dict:
+        now = time.perf_counter()
+        tokens_per_s = self.tokens_per_step * (step - self.last_step) / (now - self.last_time)
+        mfu = None if self.peak is None else tokens_per_s * self.flops / (self.peak * 1e12 * self.world_size)
+        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": now - self.start}
+
+
 class MetricsLogger:
     """Rank 0's record of training: one JSON line and one console line per logged step."""
 

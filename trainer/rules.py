@@ -24,8 +24,7 @@ from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE, min_microbatches, stages_per_rank
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from trainer.tensors import DTYPES, param_dtype
 
 
 def check_job(job: JobConfig, world: int) -> ParallelDims:
@@ -322,11 +321,3 @@ def check_checkpoint(node: dict) -> CheckpointConfig:
     if cfg.initial is not None and not Path(cfg.initial).is_dir():
         raise ConfigError(f"checkpoint.initial={cfg.initial} is not a directory (a checkpoint or a Hugging Face model)")
     return cfg
-
-
-def param_dtype(mixed_precision, device: torch.device | str) -> torch.dtype:
-    """The dtype parameters compute in: `auto` is bf16 on CUDA, fp32 on the CPU."""
-    name = mixed_precision.param_dtype
-    if name == "auto":
-        name = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    return DTYPES[name]

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
 from trainer.parallel.tensor_parallel import loss_parallel_context
+from trainer.tensors import local_tensor
 
 
 def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
@@ -102,11 +102,6 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, loss_pa
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def local_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The part of a DTensor this rank holds (all of it when replicated, e.g. a loss-parallel loss)."""
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def job_loss(loss: torch.Tensor, dims: ParallelDims) -> float:

@@ -14,6 +14,7 @@ from trainer.checkpoint.hf import config_from_hf, hf_sources
 from trainer.checkpoint.safetensors_io import SafetensorsFile
 from trainer.errors import ConfigError
 from trainer.models import copy_full, tied_names
+from trainer.tensors import local_tensor
 
 
 @torch.no_grad()
@@ -41,7 +42,7 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
             if box is None:  # a shard that is not one block of the whole: read all, keep the shard
                 copy_full(param, _read_box(read, sources[name], param, _whole(param)))
                 continue
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_tensor(param)
             local.copy_(_read_box(read, sources[name], param, box))
 
 

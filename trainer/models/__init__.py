@@ -19,6 +19,7 @@ from trainer.config import ModelConfig, load_model_config
 from trainer.errors import ConfigError
 from trainer.models import llama, mixtral  # noqa: F401  (they register themselves)
 from trainer.models.spec import ModelSpec, families, family, register_family
+from trainer.tensors import local_tensor
 
 __all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules", "init_weights", "materialize",
            "model_config", "register_family", "tied_names"]
@@ -77,7 +78,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     same whatever the sharding: the condition for parity between layouts.
     """
     for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = local_tensor(param)
         full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
         std = model.init_std(name)
         if std is None:
@@ -91,7 +92,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
 def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Sets a parameter (a plain tensor, or this rank's shard of a DTensor) from its full value."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_tensor(param)
     full = full.to(device=local.device, dtype=local.dtype)
     if isinstance(param, DTensor):
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -23,7 +23,7 @@ from trainer.plan.devices import Device
 from trainer.plan.layout import holdings
 from trainer.plan.memory import FP32, RankMemory, Shapes, rank_memory
 from trainer.plan.time import StepTime, step_time
-from trainer.rules import DTYPES
+from trainer.tensors import DTYPES
 
 GIB = 2**30
 # The memory a plan leaves free: fragmentation, the CUDA context's growth, NCCL's buffers.
