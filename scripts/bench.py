@@ -64,8 +64,9 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     from trainer import build_model
     from trainer.allocator import reuse_freed_memory
     from trainer.config import CONFIG_DIR, register_configs
+    from trainer.hardware import measure_cpu_tflops
     from trainer.memory import peak_memory_gib
-    from trainer.metrics import flops_per_token, measure_cpu_tflops
+    from trainer.metrics import flops_per_token
 
     torch.set_num_threads(threads)
     register_configs()

@@ -25,9 +25,9 @@ from trainer.data import (
     EmbeddedText,
     Mixture,
     Prefetcher,
-    _sentence,
     build_dataset,
     document_positions,
+    sentence,
 )
 from trainer.errors import ConfigError
 from trainer.models.attention import attend_within_documents
@@ -243,7 +243,7 @@ def test_hub_dataset_streams_in_order_each_rank_its_shard(tmp_path):
     the first windows are the validation split and training leaves their documents out; each
     data-parallel rank reads a shard of its own (every other row here: one file), in stream order,
     starting over at its end."""
-    texts = [" ".join(_sentence(random.Random(i)) for _ in range(4)) for i in range(400)]
+    texts = [" ".join(sentence(random.Random(i)) for _ in range(4)) for i in range(400)]
     (tmp_path / "hub").mkdir()
     (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     config = DataConfig(source="hub", path=str(tmp_path / "hub"))
@@ -343,7 +343,7 @@ def write_corpus(folder: Path, n_files: int, docs_per_file: int = 150) -> Path:
     folder.mkdir()
     for f in range(n_files):
         rng = random.Random(f)
-        docs = [" ".join(_sentence(rng) for _ in range(rng.randrange(3, 30))) for _ in range(docs_per_file)]
+        docs = [" ".join(sentence(rng) for _ in range(rng.randrange(3, 30))) for _ in range(docs_per_file)]
         (folder / f"{f}.txt").write_text("\n\n".join(docs))
     return folder
 

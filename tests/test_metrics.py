@@ -5,7 +5,8 @@ import torch
 
 from trainer import build_model
 from trainer.config import load_model_config
-from trainer.metrics import cuda_peak_tflops, flops_per_token, format_record, peak_tflops
+from trainer.hardware import cuda_peak_tflops
+from trainer.metrics import flops_per_token, format_record, peak_tflops
 
 
 def test_flops_per_token_is_six_times_the_matmul_weights_plus_attention():

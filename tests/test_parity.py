@@ -16,7 +16,7 @@ from helpers import train_metrics
 
 from trainer import build_model
 from trainer.config import JobConfig
-from trainer.data import BatchLoader, _sentence, build_dataset
+from trainer.data import BatchLoader, build_dataset, sentence
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
@@ -232,7 +232,7 @@ def document_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
     folder = tmp_path_factory.mktemp("documents")
     rng = random.Random(0)
     for i in range(300):  # one file per document, 40 to 200 bytes: several to a 64-token window
-        (folder / f"{i:03d}.txt").write_text(" ".join(_sentence(rng) for _ in range(rng.randrange(1, 5))))
+        (folder / f"{i:03d}.txt").write_text(" ".join(sentence(rng) for _ in range(rng.randrange(1, 5))))
     overrides = (*COMMON, "data.source=text", f"data.path={folder}/*.txt")
     unmasked = train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("unmasked"))
     overrides += ("data.document_mask=true",)
@@ -264,7 +264,7 @@ def mixture_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
     folder = tmp_path_factory.mktemp("mixture")
     rng = random.Random(1)
     for i in range(40):
-        (folder / f"{i:02d}.txt").write_text(" ".join(_sentence(rng).upper() for _ in range(rng.randrange(2, 9))))
+        (folder / f"{i:02d}.txt").write_text(" ".join(sentence(rng).upper() for _ in range(rng.randrange(2, 9))))
     overrides = (*COMMON, f"data.mix=[{{source:text,path:'{folder}/*.txt',weight:3}},{{source:embedded,weight:1}}]")
     return overrides, train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("mix1"))
 

@@ -14,7 +14,7 @@ import dataclasses
 from torch.utils.data import Dataset
 
 from trainer.data.cache import cached_tokens, check_tokenizer
-from trainer.data.embedded import EmbeddedText, _sentence
+from trainer.data.embedded import EmbeddedText, sentence
 from trainer.data.files import documents, read_token_file
 from trainer.data.hub import STREAM_VAL_WINDOWS, HubStream
 from trainer.data.loader import BatchLoader, Prefetcher, document_positions
@@ -26,7 +26,7 @@ from trainer.tokenizer import ByteTokenizer, build_tokenizer
 SOURCES = ("embedded", "text", "json", "parquet", "hub", "binary")
 
 __all__ = ["STREAM_VAL_WINDOWS", "SOURCES", "VAL_FRACTION", "BatchLoader", "ByteTokenizer", "EmbeddedText",
-           "Mixture", "PackedTokens", "Prefetcher", "_sentence", "build_dataset", "document_positions", "documents"]
+           "Mixture", "PackedTokens", "Prefetcher", "sentence", "build_dataset", "document_positions", "documents"]
 
 
 def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Dataset:

@@ -16,7 +16,8 @@ _VERBS = "sees finds holds paints follows carries watches builds opens keeps".sp
 _PLACES = "the market,the hill,the sea,the old town,the forest,the station".split(",")
 
 
-def _sentence(rng: random.Random) -> str:
+def sentence(rng: random.Random) -> str:
+    """One sentence of the embedded text, drawn from `rng` (tests make text of their own with it)."""
     kind = rng.randrange(4)
     if kind == 0:
         a, b = rng.randrange(50), rng.randrange(50)
@@ -48,5 +49,5 @@ class EmbeddedText(Dataset):
         rng = random.Random(self.seed * 1_000_003 + index)
         ids: list[int] = []
         while len(ids) < self.seq_len + 1:
-            ids += self.tokenizer.encode(_sentence(rng) + " ")
+            ids += self.tokenizer.encode(sentence(rng) + " ")
         return torch.tensor(ids[: self.seq_len + 1], dtype=torch.long)

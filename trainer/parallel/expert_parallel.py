@@ -36,23 +36,26 @@ from trainer.parallel.dims import ParallelDims
 def parallelize_moe(model: nn.Module, dims: ParallelDims) -> None:
     """Expert parallel over `ep`, and tensor parallel for the MoE layers: each tp rank routes its
     own slice of the sequence (sequence parallel) through router and experts replicated over tp,
-    whose gradients `sum_grads_over_tp` sums over the tp ranks. No-op for a dense model."""
+    whose gradients `sum_grads_over_tp` sums over the tp ranks. No-op for a dense model.
+
+    The router and the experts are swapped for modules holding the same weights under the same
+    names, as DTensors, whose forward runs on the local part (and, for the experts under expert
+    parallel, exchanges the tokens)."""
     for layer in moe_layers(model):
         if dims.view("dp_cp_tp").size() > 1:
             layer.batch_counts = partial(_all_reduce_sum, group=dims.view("dp_cp_tp").get_group())
         if dims.tp_enabled:
-            _distribute(layer.router, dims.view("tp"), [Replicate()])
-            layer.router.forward = partial(_router_forward, layer.router)
+            layer.router = LocalRouter(layer.router, dims.view("tp"))
         if dims.ep_enabled:
-            _distribute(layer.experts, dims.expert_mesh, [Shard(0), Replicate()])
-            layer.experts.forward = partial(_expert_parallel_forward, layer.experts, dims.view("ep").get_group())
+            layer.experts = DistributedExperts(layer.experts, dims.expert_mesh, [Shard(0), Replicate()],
+                                               dims.view("ep").get_group())
         elif dims.tp_enabled:
-            _distribute(layer.experts, dims.view("tp"), [Replicate()])
-            layer.experts.forward = partial(_local_forward, layer.experts)
+            layer.experts = DistributedExperts(layer.experts, dims.view("tp"), [Replicate()])
 
 
-def _distribute(module: nn.Module, mesh: DeviceMesh, placements: list) -> None:
-    for name, param in list(module.named_parameters(recurse=False)):
+def _distributed_parameters(module: nn.Module, source: nn.Module, mesh: DeviceMesh, placements: list) -> None:
+    """Registers on `module` each of `source`'s own parameters, distributed over `mesh`, by the same name."""
+    for name, param in source.named_parameters(recurse=False):
         module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements, src_data_rank=None)))
 
 
@@ -62,12 +65,33 @@ def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _router_forward(router: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, router.weight.to_local())
+class LocalRouter(nn.Module):
+    """A router's weight replicated over the tp mesh; each tp rank scores its own tokens with it."""
+
+    def __init__(self, router: nn.Linear, mesh: DeviceMesh):
+        super().__init__()
+        self.out_features = router.out_features
+        _distributed_parameters(self, router, mesh, [Replicate()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to_local())
 
 
-def _local_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return expert_swiglu(x, counts, *(w.to_local() for w in (experts.w1, experts.w2, experts.w3)))
+class DistributedExperts(nn.Module):
+    """A GroupedExperts' weights as DTensors on `mesh`: replicated (tensor parallel: each tp rank runs
+    its own tokens), or split on the expert dimension over the ep ranks, with `group` the ep group
+    the tokens travel over (expert parallel)."""
+
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh, placements: list, group=None):
+        super().__init__()
+        _distributed_parameters(self, experts, mesh, placements)
+        self.group = group
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [tokens, dim] sorted by (global) expert, counts [n_experts] -> the experts' outputs, same order."""
+        if self.group is None:
+            return expert_swiglu(x, counts, *(w.to_local() for w in (self.w1, self.w2, self.w3)))
+        return _expert_parallel_forward(self, self.group, x, counts)
 
 
 def sum_grads_over_tp(parts: list[nn.Module], dims: ParallelDims) -> None:
@@ -87,7 +111,6 @@ def sum_grads_over_tp(parts: list[nn.Module], dims: ParallelDims) -> None:
 
 
 def _expert_parallel_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [tokens, dim] sorted by (global) expert, counts [n_experts] -> the experts' outputs, same order."""
     ep = dist.get_world_size(group)
     # An expert's gradient sums the ep group's tokens; FSDP then averages over the ranks outside
     # the group. Dividing by ep here makes that the average over every data-parallel rank.

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
-from trainer.metrics import measure_cpu_tflops
+from trainer.hardware import CUDA_PEAK_TFLOPS, measure_cpu_tflops
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,12 @@ class Device:
 
 # Memory is what CUDA reports as total for one device, less about 1.5 GiB the context takes.
 DEVICES = {
-    "h100": Device("h100", 78.0, 989.0, 494.0, 450.0, 50.0, 8),  # H100 SXM 80GB, NVLink 4, 400 Gb/s NIC per GPU
-    "h200": Device("h200", 138.0, 989.0, 494.0, 450.0, 50.0, 8),  # H200 SXM 141GB
-    "a100": Device("a100", 78.0, 312.0, 156.0, 300.0, 25.0, 8),  # A100 SXM 80GB, NVLink 3, 200 Gb/s NIC
-    "b200": Device("b200", 178.0, 2250.0, 1125.0, 900.0, 50.0, 8),  # B200 180GB, NVLink 5
+    # H100 SXM 80GB, NVLink 4, 400 Gb/s NIC per GPU
+    "h100": Device("h100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA H100 80GB HBM3"], 494.0, 450.0, 50.0, 8),
+    "h200": Device("h200", 138.0, CUDA_PEAK_TFLOPS["NVIDIA H200"], 494.0, 450.0, 50.0, 8),  # H200 SXM 141GB
+    # A100 SXM 80GB, NVLink 3, 200 Gb/s NIC
+    "a100": Device("a100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA A100-SXM4-80GB"], 156.0, 300.0, 25.0, 8),
+    "b200": Device("b200", 178.0, CUDA_PEAK_TFLOPS["NVIDIA B200"], 1125.0, 900.0, 50.0, 8),  # B200 180GB, NVLink 5
 }
 
 
