@@ -17,8 +17,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from trainer import build_model
 from trainer.models import ModelSpec, register_family
 from trainer.models.attention import CausalAttention
+from trainer.models.llama.memory import attention_kept, attention_saved
 from trainer.models.llama.model import apply_rope, rope_cos_sin, rope_frequencies
-from trainer.models.spec import TensorParallelPlan
+from trainer.models.spec import FP32, Shapes, TensorParallelPlan
 from trainer.parallel.tensor_parallel import ReplicateParameters
 
 FAMILY = "gelu_test"
@@ -100,6 +101,18 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
     })
 
 
+def activation_bytes(s: Shapes) -> float:
+    """Llama's norms and attention; the MLP saves its up projection's output and the GELU of it."""
+    elements, fp32 = attention_saved(s)
+    return (elements + 2 * s.tokens * s.ffn_dim // s.tp) * s.act_bytes + fp32 * FP32
+
+
+def selective_bytes(s: Shapes) -> float:
+    elements, into_stream = attention_kept(s)
+    elements += s.tokens * s.ffn_dim // s.tp + into_stream
+    return elements * s.act_bytes + s.tokens * s.n_heads // s.tp * FP32
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
     kv = cfg.n_kv_heads * (cfg.dim // cfg.n_heads)
     weights = cfg.n_layers * (2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 2 * cfg.dim * cfg.ffn_dim)
@@ -107,7 +120,7 @@ def flops_per_token(cfg, seq_len: int) -> float:
 
 
 register_family(ModelSpec(family=FAMILY, model=GeluModel, tp_plan=tp_plan, flops_per_token=flops_per_token,
-                          embedding="embed", blocks="blocks", head=("final_norm", "lm_head")))
+                          activation_bytes=activation_bytes, selective_bytes=selective_bytes, embedding="embed", blocks="blocks", head=("final_norm", "lm_head")))
 
 STEPS = 8
 COMMON = (

@@ -16,6 +16,32 @@ from trainer.config import ModelConfig
 from trainer.errors import ConfigError
 
 
+@dataclass
+class Shapes:
+    """What one rank's blocks see in one microbatch: what a family's memory terms count from."""
+
+    tokens: int  # tokens of the microbatch on this rank (batch x seq / cp)
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    vocab: int
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    cp_method: str
+    act_bytes: int  # bytes per element of activations (the compute dtype)
+    n_experts: int = 0
+    top_k: int = 0
+    expert_load: float = 1.0  # the slots this rank's experts take, over an even share
+
+
+
+# Bytes of an fp32 element.
+FP32 = 4
+
+
 @dataclass(frozen=True)
 class HFMapping:
     """How a family reads and writes transformers' directories (config.json + safetensors).
@@ -56,12 +82,16 @@ class ModelSpec:
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
     - `flops_per_token(cfg, seq_len)`: training FLOPs per token; `check(cfg)`: the family's config
       rules (ConfigError); `hf`: its Hugging Face mapping, None if it has none.
+    - `activation_bytes(shapes)`, `selective_bytes(shapes)`: the memory plan's terms, the bytes one block
+      saves for backward in one microbatch without checkpointing, and under selective checkpointing.
     """
 
     family: str
     model: Callable[[ModelConfig], nn.Module]
     tp_plan: Callable[[bool, bool], TensorParallelPlan]
     flops_per_token: Callable[[ModelConfig, int], float]
+    activation_bytes: Callable[[Shapes], float]
+    selective_bytes: Callable[[Shapes], float]
     check: Callable[[ModelConfig], None] = lambda cfg: None
     hf: HFMapping | None = None
     checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None

@@ -17,6 +17,7 @@ import torch
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.metrics import flops_per_token
+from trainer.models import family
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
@@ -125,7 +126,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     stages_by_rank = holdings(job, dims)
     for pp_rank, stages in enumerate(stages_by_rank):
         ranks.append(rank_memory(
-            pp_rank, stages, shapes, activation_checkpoint=t.activation_checkpoint, checkpointed_share=share,
+            pp_rank, stages, family(m.family), shapes, activation_checkpoint=t.activation_checkpoint, checkpointed_share=share,
             schedule=schedule, pp=dims.pp,
             n_microbatches=t.grad_accum_steps * dims.pp_microbatches, grad_accum=t.grad_accum_steps,
             param_bytes=act_bytes,

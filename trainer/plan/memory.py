@@ -1,7 +1,8 @@
 """Bytes each rank holds at its peak, term by term.
 
-The parameters' terms come from the real module tree (layout.py); activations are counted from the
-model's shapes, tensor by tensor, as the code saves them for backward. Two moments compete for the
+The parameters' terms come from the real module tree (layout.py); a block's activations are counted by
+its family (its spec's memory terms, from the model's shapes, tensor by tensor, as the code saves them
+for backward). Two moments compete for the
 peak: the start of backward (every saved activation, the logits and the loss's float copies) and the
 optimizer step (every gradient, plus the temporaries of the fused AdamW update).
 """
@@ -10,31 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.models.spec import FP32, ModelSpec, Shapes
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE
 from trainer.plan.layout import StageHoldings
 
-FP32 = 4
-
-
-@dataclass
-class Shapes:
-    """What one rank's layers see in one microbatch."""
-
-    tokens: int  # tokens of the microbatch on this rank (batch x seq / cp)
-    dim: int
-    ffn_dim: int
-    n_heads: int
-    n_kv_heads: int
-    vocab: int
-    tp: int
-    cp: int
-    sequence_parallel: bool
-    loss_parallel: bool
-    cp_method: str
-    act_bytes: int  # bytes per element of activations (the compute dtype)
-    n_experts: int = 0
-    top_k: int = 0
-    expert_load: float = 1.0  # the slots this rank's experts take, over an even share
+__all__ = ["FP32", "RankMemory", "Shapes", "rank_memory"]
 
 
 @dataclass
@@ -54,48 +35,6 @@ class RankMemory:
         terms = {k: getattr(self, k) for k in ("params", "grads", "optimizer", "gathered", "activations", "buffers")}
         name = max(terms, key=terms.get)
         return name, terms[name]
-
-
-def layer_activation_bytes(s: Shapes) -> float:
-    """Bytes one transformer block saves for backward in one microbatch (no checkpointing)."""
-    t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
-    # The residual stream (norm inputs) is split over tp ranks under sequence parallel.
-    stream = t // tp if s.sequence_parallel and tp > 1 else t
-    elements = 2 * stream * s.dim  # the two norms' inputs
-    elements += 2 * t * s.dim  # the (gathered) inputs of the q/k/v and the feed-forward projections
-    kv = t * s.n_kv_heads * head // tp
-    elements += t * s.dim // tp + 2 * kv  # q, k, v (after the rotary embedding)
-    elements += 2 * t * s.dim // tp  # attention's output and its copy into the output projection
-    if s.cp > 1 and s.cp_method == "allgather":
-        elements += 2 * kv * s.cp  # the gathered keys and values
-    if s.n_experts:
-        # Router and dropless experts: each token's top_k copies, their SwiGLU and their outputs
-        # (the expert load assumed even unless given).
-        slots = t * s.top_k // (tp if s.sequence_parallel and tp > 1 else 1)
-        elements += slots * s.expert_load * (2 * s.dim + 4 * s.ffn_dim)
-        fp32 = stream * s.n_experts * 3 + slots * 2  # router logits and probabilities, routing weights
-    else:
-        elements += 4 * t * s.ffn_dim // tp  # gate, its SiLU, up, and their product
-        fp32 = 0
-    fp32 += t * s.n_heads // tp + 2 * t * head  # attention's log-sum-exp; the rotary cos and sin
-    return elements * s.act_bytes + fp32 * FP32
-
-
-def selective_layer_bytes(s: Shapes) -> float:
-    """Bytes a block under selective checkpointing keeps: its input and the outputs of its matmuls,
-    its attention and the collectives that reduce into the residual stream (the rest is recomputed)."""
-    t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
-    stream = t // tp if s.sequence_parallel and tp > 1 else t
-    kv = t * s.n_kv_heads * head // tp
-    # The output projections' products, and with tensor parallel their reduced copies.
-    into_stream = t * s.dim + (stream * s.dim if tp > 1 else 0)
-    elements = stream * s.dim + t * s.dim // tp + 2 * kv + t * s.dim // tp + into_stream
-    if s.n_experts:  # the router's logits; each token's top_k copies through the experts' three matmuls
-        slots = t * s.top_k // (tp if s.sequence_parallel and tp > 1 else 1)
-        elements += stream * s.n_experts + slots * s.expert_load * (2 * s.ffn_dim + s.dim)
-    else:
-        elements += 2 * t * s.ffn_dim // tp + into_stream
-    return elements * s.act_bytes + t * s.n_heads // tp * FP32  # attention's log-sum-exp
 
 
 def checkpointed_layer_bytes(s: Shapes) -> float:
@@ -132,7 +71,7 @@ def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank
     return min(total, (per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
 
 
-def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activation_checkpoint: str,
+def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
                 param_bytes: int, has_loss: bool) -> RankMemory:
     sharded = sum(u.sharded for stage in stages for u in stage.units)
@@ -147,11 +86,11 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
         # At the start of backward: the head (and a root holding tied weights) stays gathered, and a
         # block computes while the next is gathered. The embedding was resharded after forward.
         kept = sum(u.gathered for u in units if u.name in ("head", "root"))
-        blocks = [u.gathered for u in units if u.name.startswith("layers.")]
+        blocks = [u.gathered for u in units if u.name not in ("embedding", "head", "root")]
         gathered = (kept + sum(blocks[:2])) * param_bytes
 
     layers = sum(stage.layers for stage in stages)
-    per_layer = layer_activation_bytes(s)
+    per_layer = spec.activation_bytes(s)
     in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
     stage_layers = layers / len(stages)  # activations of one stage-microbatch
     if activation_checkpoint == "none":
@@ -163,7 +102,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], s: Shapes, *, activat
         saved = (1 + checkpointed_share) * in_flight * stage_layers * per_layer
     else:
         if activation_checkpoint == "selective":  # a block's recompute adds what it did not keep
-            kept, share, recomputed = selective_layer_bytes(s), 1.0, per_layer - selective_layer_bytes(s)
+            kept, share, recomputed = spec.selective_bytes(s), 1.0, per_layer - spec.selective_bytes(s)
         else:
             kept, share, recomputed = checkpointed_layer_bytes(s), checkpointed_share, per_layer
         per_block = share * kept + (1 - share) * per_layer

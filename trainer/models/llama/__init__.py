@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
+from trainer.models.llama import memory
 from trainer.models.llama.hf import HF
 from trainer.models.llama.model import Llama
 from trainer.models.llama.parallelize import tp_plan
@@ -33,4 +34,5 @@ def check(cfg: ModelConfig) -> None:
 
 
 SPEC = register_family(ModelSpec(family="llama", model=Llama, tp_plan=tp_plan, flops_per_token=flops_per_token,
+                                 activation_bytes=memory.activation_bytes, selective_bytes=memory.selective_bytes,
                                  check=check, hf=HF))

@@ -13,6 +13,7 @@ from trainer.errors import ConfigError
 from trainer.models.llama import attention_flops
 from trainer.models.llama.hf import attention_names, edge_names
 from trainer.models.llama.parallelize import attention_plan, edge_plan
+from trainer.models.mixtral import memory
 from trainer.models.mixtral.model import Mixtral
 from trainer.models.spec import HFMapping, ModelSpec, TensorParallelPlan, register_family
 
@@ -77,4 +78,5 @@ HF = HFMapping(
 )
 
 SPEC = register_family(ModelSpec(family="mixtral", model=Mixtral, tp_plan=tp_plan, flops_per_token=flops_per_token,
+                                 activation_bytes=memory.activation_bytes, selective_bytes=memory.selective_bytes,
                                  check=check, hf=HF, checkpoint_regions=checkpoint_regions))

@@ -1,0 +1,26 @@
+"""Mixtral's terms for the memory plan: Llama's attention, and the router and dropless experts in place
+of the feed-forward (each token's top_k copies, the expert load assumed even unless given)."""
+
+from __future__ import annotations
+
+from trainer.models.llama.memory import attention_kept, attention_saved, stream_tokens
+from trainer.models.spec import FP32, Shapes
+
+
+def slots(s: Shapes) -> float:
+    """(token, expert) pairs a rank's experts run: each tp rank routes its own slice of the sequence."""
+    return s.tokens * s.top_k // (s.tp if s.sequence_parallel and s.tp > 1 else 1)
+
+
+def activation_bytes(s: Shapes) -> float:
+    elements, fp32 = attention_saved(s)
+    elements += slots(s) * s.expert_load * (2 * s.dim + 4 * s.ffn_dim)
+    fp32 += stream_tokens(s) * s.n_experts * 3 + slots(s) * 2  # router logits and probabilities, routing weights
+    return elements * s.act_bytes + fp32 * FP32
+
+
+def selective_bytes(s: Shapes) -> float:
+    """The router's logits; each token's top_k copies through the experts' three matmuls."""
+    elements, _ = attention_kept(s)
+    elements += stream_tokens(s) * s.n_experts + slots(s) * s.expert_load * (2 * s.ffn_dim + s.dim)
+    return elements * s.act_bytes + s.tokens * s.n_heads // s.tp * FP32
