@@ -98,7 +98,7 @@ def format_plan(plan, job) -> str:
     degrees = " ".join(f"{k}={getattr(d, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
     lines = [
         f"{job.model.name} on {plan.world_size} x {plan.device.name} ({plan.device.memory_gib:.0f} GiB each) | {degrees}",
-        f"batch {t.global_batch_size} x {t.seq_len} tokens, accumulation {t.grad_accum_steps}, "
+        f"batch {t.global_batch_size} x {t.seq_len} tokens, accumulation {d.grad_accum_steps}, "
         f"{d.pp_microbatches} pipeline microbatches, activation checkpointing {t.activation_checkpoint}",
         "",
         f"{'pp rank':>7} | {'params':>7} | {'grads':>7} | {'optim':>7} | {'gathered':>8} | {'activ.':>7} | "

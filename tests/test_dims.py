@@ -59,7 +59,7 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
     for world, replicas, accum in ((8, 4, 1), (4, 2, 2), (2, 1, 4)):
         job = job_for(dp_replicate=-1, dp_shard=2, training__micro_batch_size=1, training__grad_accum_steps=8)
         dims = resolve_layout(job.parallel, job.model, job.training, world)
-        assert (dims.dp_replicate, dims.dp_shard, job.training.grad_accum_steps) == (replicas, 2, accum)
+        assert (dims.dp_replicate, dims.dp_shard, dims.grad_accum_steps) == (replicas, 2, accum)
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
     # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit. Under
     # tensor parallel each tp rank's router sees its slice of the sequence and the router's gradients
     # are summed over the tp ranks: each slice's loss counts 1/tp.
-    aux_loss_scale = 1 / (t.grad_accum_steps * dims.pp_microbatches * dims.tp)
+    aux_loss_scale = 1 / (dims.grad_accum_steps * dims.pp_microbatches * dims.tp)
     return BuildOptions(model=job.model, parallel=parallel, stage_modules=stage_modules(job, dims),
                         pp_schedule=p.pp_schedule, document_mask=job.data.document_mask, seed=t.seed,
                         aux_loss_scale=aux_loss_scale)

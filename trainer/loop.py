@@ -116,7 +116,7 @@ class Trainer:
         sum_grads_over_tp(self.parts, self.dims)
         if self.moe_stats is not None:
             self.moe_stats.collect(self.parts, family(self.job.model.family),
-                                   self.training.grad_accum_steps * self.dims.pp_microbatches)
+                                   self.dims.grad_accum_steps * self.dims.pp_microbatches)
         grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm, loss)
         # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
         self.optimizer.found_inf = self.guard.check(step, loss_sum / self.loss_holders, grad_norm)
@@ -198,7 +198,7 @@ class Trainer:
         held = [local_tensor(p) for p in self.model.parameters()]
         param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
         total = sum(p.numel() for p in self.model.parameters())
-        self.log(f"{describe_layout(self.dims)} | grad_accum_steps={self.training.grad_accum_steps} | "
+        self.log(f"{describe_layout(self.dims)} | grad_accum_steps={self.dims.grad_accum_steps} | "
                  f"{describe_share(self.dims, total, sum(p.numel() for p in held), param_mib)}")
         if self.predicted is not None:
             self.log(f"plan: predicted peak {self.predicted / 2**30:.2f} GiB of tensors on rank 0")
@@ -208,7 +208,7 @@ class Trainer:
         t, dims = self.training, self.dims
         dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
         self.loader, val_loader = (
-            BatchLoader(data, t.global_batch_size, dp_rank, dims.dp, t.grad_accum_steps, t.seed, dims.pp_microbatches)
+            BatchLoader(data, t.global_batch_size, dp_rank, dims.dp, dims.grad_accum_steps, t.seed, dims.pp_microbatches)
             for data in (dataset, val_dataset)
         )
         eos_id = dataset.eos_id if self.job.data.document_mask else None
@@ -223,7 +223,7 @@ class Trainer:
                                                     self.log)
         if saved_world is not None and saved_world != dims.world_size:
             self.log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
-                     f"grad_accum_steps={t.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
+                     f"grad_accum_steps={dims.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
         self.loader.offset = position - start_step * t.global_batch_size
         return start_step
 

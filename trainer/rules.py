@@ -28,8 +28,8 @@ from trainer.tensors import DTYPES, param_dtype
 
 
 def check_job(job: JobConfig, world: int) -> ParallelDims:
-    """Checks `job` for a world of `world` ranks; returns its layout with every `-1` resolved (and sets
-    job.training.grad_accum_steps where micro_batch_size gives it)."""
+    """Checks `job` for a world of `world` ranks; returns its layout, with what the config leaves to
+    derive (every `-1`, the accumulation steps) resolved. `job` is left as it is."""
     check_model(job.model)
     dims = resolve_layout(job.parallel, job.model, job.training, world)
     if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
@@ -148,7 +148,8 @@ def compile_missing(device: str) -> str | None:
 
 def resolve_layout(parallel, model, training, world_size: int) -> ParallelDims:
     """The layout of `parallel` on `world_size` ranks: `-1` degrees resolved, every degree rule
-    checked, and `training.grad_accum_steps` derived when `training.micro_batch_size` is set."""
+    checked, and the accumulation steps derived (`dims.grad_accum_steps`: from `training.micro_batch_size`
+    when it is set, else `training.grad_accum_steps`)."""
     degrees = {k: getattr(parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
     for key, value in degrees.items():
         if value == 0 or value < -1 or (value == -1 and key not in ("dp_replicate", "dp_shard", "ep")):
@@ -178,12 +179,14 @@ def resolve_layout(parallel, model, training, world_size: int) -> ParallelDims:
 
     dims = ParallelDims(world_size=world_size, moe=model.n_experts > 0, **degrees)
     if training.micro_batch_size is not None:
-        training.grad_accum_steps = _grad_accum_steps(training, dims.dp)
-    per_step = dims.dp * training.grad_accum_steps
+        dims.grad_accum_steps = _grad_accum_steps(training, dims.dp)
+    else:
+        dims.grad_accum_steps = training.grad_accum_steps
+    per_step = dims.dp * dims.grad_accum_steps
     if training.global_batch_size % per_step:
         raise ConfigError(
             f"training.global_batch_size={training.global_batch_size} must be divisible by "
-            f"dp*grad_accum_steps={per_step} (dp={dims.dp}, grad_accum_steps={training.grad_accum_steps})"
+            f"dp*grad_accum_steps={per_step} (dp={dims.dp}, grad_accum_steps={dims.grad_accum_steps})"
         )
     if dims.pp_enabled:
         dims.pp_stages_per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)

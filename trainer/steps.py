@@ -40,7 +40,7 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
         return partial(train_step, parts[0], device=device, loss_parallel=loss_parallel, mark=mark), eval_fn
     # Accumulation steps are more microbatches of one schedule run: FSDP gathers and reduce-scatters
     # once a step, and the pipeline fills and drains once.
-    n_microbatches = job.training.grad_accum_steps * dims.pp_microbatches
+    n_microbatches = dims.grad_accum_steps * dims.pp_microbatches
 
     def loss_fn(logits, labels):
         # Each microbatch's share of the step's mean loss, so gradients sum to the mean's.

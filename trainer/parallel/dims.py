@@ -42,6 +42,9 @@ class ParallelDims:
     # Derived from the schedule and the batch (see pipeline.py); 1 without pipeline parallel.
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 1
+    # Forward-backward passes per optimizer step on each data-parallel rank: training.grad_accum_steps,
+    # or derived from training.micro_batch_size and the global batch.
+    grad_accum_steps: int = 1
     moe: bool = False  # a mixture-of-experts model: the expert views below exist
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)

@@ -111,7 +111,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     name = t.mixed_precision.param_dtype
     dtype = DTYPES[name] if name != "auto" else (torch.float32 if device.name == "cpu" else torch.bfloat16)
     act_bytes = torch.finfo(dtype).bits // 8
-    per_microbatch = t.global_batch_size // (dims.dp * t.grad_accum_steps * dims.pp_microbatches)
+    per_microbatch = t.global_batch_size // (dims.dp * dims.grad_accum_steps * dims.pp_microbatches)
     shapes = Shapes(
         tokens=per_microbatch * t.seq_len // dims.cp, dim=m.dim, ffn_dim=m.ffn_dim,
         n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
@@ -128,7 +128,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         ranks.append(rank_memory(
             pp_rank, stages, family(m.family), shapes, activation_checkpoint=t.activation_checkpoint, checkpointed_share=share,
             schedule=schedule, pp=dims.pp,
-            n_microbatches=t.grad_accum_steps * dims.pp_microbatches, grad_accum=t.grad_accum_steps,
+            n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
             param_bytes=act_bytes,
             has_loss=any(s.stage == n_stages - 1 for s in stages),
         ))
@@ -154,10 +154,10 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         act_stream_bytes=stream, kv_bytes=2 * shapes.tokens * m.n_kv_heads * head // dims.tp * act_bytes,
         expert_bytes=shapes.tokens * m.top_k * m.dim * act_bytes,
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
-        microbatches_per_rank=t.grad_accum_steps * dims.pp_microbatches * len(busiest),
+        microbatches_per_rank=dims.grad_accum_steps * dims.pp_microbatches * len(busiest),
         recompute=share, selective=t.activation_checkpoint == "selective", schedule=schedule,
         per_rank_stages=dims.pp_stages_per_rank,
         # Under pipeline parallel a step's accumulation steps are microbatches of one schedule run.
-        n_microbatches=t.grad_accum_steps * dims.pp_microbatches, moe=m.n_experts > 0,
+        n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, moe=m.n_experts > 0,
     )
     return Plan(dims.world_size, device, dims, ranks, timing, tokens_per_step, flops, peak_tflops)
