@@ -19,7 +19,7 @@ from trainer.models import ModelSpec, register_family
 from trainer.models.attention import CausalAttention
 from trainer.models.llama.memory import attention_kept, attention_saved
 from trainer.models.llama.model import apply_rope, rope_cos_sin, rope_frequencies
-from trainer.models.spec import FP32, Shapes, TensorParallelPlan
+from trainer.models.spec import FP32, Shapes
 from trainer.parallel.tensor_parallel import ReplicateParameters
 
 FAMILY = "gelu_test"
@@ -84,10 +84,10 @@ class GeluModel(nn.Module):
         return 0.02 / math.sqrt(2 * self.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
 
 
-def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
+def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     between = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel() if sequence_parallel else ReplicateParameters()
-    return TensorParallelPlan({
+    return {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "final_norm": norm,
         "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -98,7 +98,7 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
         "blocks.*.attn.proj": RowwiseParallel(output_layouts=between),
         "blocks.*.mlp.up": ColwiseParallel(input_layouts=between),
         "blocks.*.mlp.down": RowwiseParallel(output_layouts=between),
-    })
+    }
 
 
 def activation_bytes(s: Shapes) -> float:
@@ -119,8 +119,9 @@ def flops_per_token(cfg, seq_len: int) -> float:
     return 6 * (weights + cfg.dim * cfg.vocab_size) + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
-register_family(ModelSpec(family=FAMILY, model=GeluModel, tp_plan=tp_plan, flops_per_token=flops_per_token,
-                          activation_bytes=activation_bytes, selective_bytes=selective_bytes, embedding="embed", blocks="blocks", head=("final_norm", "lm_head")))
+register_family(ModelSpec(family=FAMILY, model=GeluModel, embedding="embed", blocks="blocks",
+                          head=("final_norm", "lm_head"), tp_plan=tp_plan, flops_per_token=flops_per_token,
+                          activation_bytes=activation_bytes, selective_bytes=selective_bytes))
 
 STEPS = 8
 COMMON = (

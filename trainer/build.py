@@ -79,7 +79,8 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str], de
     return part
 
 
-def build_model_parts(options: BuildOptions, dims: ParallelDims, device: torch.device) -> tuple[list[nn.Module], list[int]]:
+def build_model_parts(options: BuildOptions, dims: ParallelDims,
+                      device: torch.device) -> tuple[list[nn.Module], list[int]]:
     """This rank's parts (its pipeline stages, or the whole model) and their stage indices."""
     stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank, options.pp_schedule)
     return [build_part(options, dims, options.stage_modules[s], device) for s in stages], stages

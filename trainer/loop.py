@@ -208,7 +208,8 @@ class Trainer:
         t, dims = self.training, self.dims
         dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
         self.loader, val_loader = (
-            BatchLoader(data, t.global_batch_size, dp_rank, dims.dp, dims.grad_accum_steps, t.seed, dims.pp_microbatches)
+            BatchLoader(data, t.global_batch_size, dp_rank, dims.dp, dims.grad_accum_steps, t.seed,
+                        dims.pp_microbatches)
             for data in (dataset, val_dataset)
         )
         eos_id = dataset.eos_id if self.job.data.document_mask else None
@@ -223,7 +224,8 @@ class Trainer:
                                                     self.log)
         if saved_world is not None and saved_world != dims.world_size:
             self.log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
-                     f"grad_accum_steps={dims.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
+                     f"grad_accum_steps={dims.grad_accum_steps}, "
+                     f"the global batch of {t.global_batch_size} sequences kept")
         self.loader.offset = position - start_step * t.global_batch_size
         return start_step
 

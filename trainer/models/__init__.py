@@ -21,8 +21,8 @@ from trainer.models import llama, mixtral  # noqa: F401  (they register themselv
 from trainer.models.spec import ModelSpec, families, family, register_family
 from trainer.tensors import local_tensor
 
-__all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules", "init_weights", "materialize",
-           "model_config", "register_family", "tied_names"]
+__all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules", "init_weights",
+           "materialize", "model_config", "register_family", "tied_names"]
 
 
 def import_modules(names: list[str]) -> None:

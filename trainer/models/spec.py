@@ -59,14 +59,6 @@ class HFMapping:
 
 
 @dataclass(frozen=True)
-class TensorParallelPlan:
-    """Module path (fnmatch patterns, as parallelize_module takes them) -> ParallelStyle, for the
-    whole model; paths a pipeline stage lacks are left out when it is applied."""
-
-    styles: dict
-
-
-@dataclass(frozen=True)
 class ModelSpec:
     """Everything particular to one model family.
 
@@ -77,7 +69,9 @@ class ModelSpec:
       index; the embedding, each block and the head (its modules together) are the pipeline and FSDP
       units, in that order. A stage keeps some of them and the others are set to None (removed from
       the ModuleDict), so parameter names stay those of the whole model.
-    - `tp_plan(sequence_parallel, loss_parallel)`: the tensor-parallel plan.
+    - `tp_plan(sequence_parallel, loss_parallel)`: the tensor-parallel plan, module path (fnmatch
+      patterns, as torch's parallelize_module takes them) -> ParallelStyle, for the whole model; the
+      paths a pipeline stage lacks are left out when it is applied.
     - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
     - `flops_per_token(cfg, seq_len)`: training FLOPs per token; `check(cfg)`: the family's config
@@ -88,16 +82,16 @@ class ModelSpec:
 
     family: str
     model: Callable[[ModelConfig], nn.Module]
-    tp_plan: Callable[[bool, bool], TensorParallelPlan]
+    embedding: str
+    blocks: str
+    head: tuple[str, ...]
+    tp_plan: Callable[[bool, bool], dict]
     flops_per_token: Callable[[ModelConfig, int], float]
     activation_bytes: Callable[[Shapes], float]
     selective_bytes: Callable[[Shapes], float]
     check: Callable[[ModelConfig], None] = lambda cfg: None
     hf: HFMapping | None = None
     checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None
-    embedding: str = "tok_embeddings"
-    blocks: str = "layers"
-    head: tuple[str, ...] = ("norm", "output")
 
     def block_name(self, index: int | str) -> str:
         return f"{self.blocks}.{index}"

@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     blocks = spec.block_modules(model)
     embedding = spec.part(model, spec.embedding)
     if dims.tp_enabled:
-        apply_tp(model, dims.view("tp"), spec.tp_plan(options.sequence_parallel, options.loss_parallel).styles)
+        apply_tp(model, dims.view("tp"), spec.tp_plan(options.sequence_parallel, options.loss_parallel))
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), options.cp_method)
     parallelize_moe(model, dims)

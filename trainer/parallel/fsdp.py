@@ -15,8 +15,10 @@ from trainer.models.moe import moe_layers
 def edge_units(embedding: nn.Module | None, head: list[nn.Module]) -> tuple[nn.Module | None, list[nn.Module]]:
     """The embedding and the head (the final norm and output) as FSDP units of their own: (None, [])
     when the head shares a weight with the embedding (tied), as both then stay in the root."""
-    if embedding is not None and {id(p) for p in embedding.parameters()} & {id(p) for m in head for p in m.parameters()}:
-        return None, []
+    if embedding is not None:
+        in_head = {id(p) for m in head for p in m.parameters()}
+        if any(id(p) in in_head for p in embedding.parameters()):
+            return None, []
     return embedding, head
 
 

@@ -126,7 +126,8 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     stages_by_rank = holdings(job, dims)
     for pp_rank, stages in enumerate(stages_by_rank):
         ranks.append(rank_memory(
-            pp_rank, stages, family(m.family), shapes, activation_checkpoint=t.activation_checkpoint, checkpointed_share=share,
+            pp_rank, stages, family(m.family), shapes, activation_checkpoint=t.activation_checkpoint,
+            checkpointed_share=share,
             schedule=schedule, pp=dims.pp,
             n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
             param_bytes=act_bytes,

@@ -33,6 +33,9 @@ def check(cfg: ModelConfig) -> None:
                           f"feed-forward")
 
 
-SPEC = register_family(ModelSpec(family="llama", model=Llama, tp_plan=tp_plan, flops_per_token=flops_per_token,
+# Module paths: the units a pipeline stage and FSDP take.
+UNITS = dict(embedding="tok_embeddings", blocks="layers", head=("norm", "output"))
+SPEC = register_family(ModelSpec(family="llama", model=Llama, **UNITS, tp_plan=tp_plan,
+                                 flops_per_token=flops_per_token,
                                  activation_bytes=memory.activation_bytes, selective_bytes=memory.selective_bytes,
                                  check=check, hf=HF))

@@ -12,7 +12,6 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from trainer.models.spec import TensorParallelPlan
 from trainer.parallel.tensor_parallel import ReplicateParameters
 
 
@@ -49,13 +48,13 @@ def attention_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
+def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     between = Shard(1) if sequence_parallel else Replicate()
-    return TensorParallelPlan({
+    return {
         **edge_plan(sequence_parallel, loss_parallel),
         **attention_plan(sequence_parallel),
         "layers.*.feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=between),
-    })
+    }

@@ -10,23 +10,23 @@ from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
-from trainer.models.llama import attention_flops
+from trainer.models.llama import UNITS, attention_flops
 from trainer.models.llama.hf import attention_names, edge_names
 from trainer.models.llama.parallelize import attention_plan, edge_plan
 from trainer.models.mixtral import memory
 from trainer.models.mixtral.model import Mixtral
-from trainer.models.spec import HFMapping, ModelSpec, TensorParallelPlan, register_family
+from trainer.models.spec import HFMapping, ModelSpec, register_family
 
 
-def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
+def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     between = Shard(1) if sequence_parallel else Replicate()
-    return TensorParallelPlan({
+    return {
         **edge_plan(sequence_parallel, loss_parallel),
         **attention_plan(sequence_parallel),
         # Each tp rank routes its own slice of the sequence (see expert_parallel.py).
         "layers.*.feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(between,),
                                                     use_local_output=True),
-    })
+    }
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -77,6 +77,7 @@ HF = HFMapping(
     config=hf_config, names=hf_names,
 )
 
-SPEC = register_family(ModelSpec(family="mixtral", model=Mixtral, tp_plan=tp_plan, flops_per_token=flops_per_token,
+SPEC = register_family(ModelSpec(family="mixtral", model=Mixtral, **UNITS, tp_plan=tp_plan,
+                                 flops_per_token=flops_per_token,
                                  activation_bytes=memory.activation_bytes, selective_bytes=memory.selective_bytes,
                                  check=check, hf=HF, checkpoint_regions=checkpoint_regions))
