@@ -7,6 +7,7 @@ defined elsewhere registers itself the same way, with `register_family`, before 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import zlib
 from collections.abc import Mapping
 
@@ -17,7 +18,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.config import ModelConfig, load_model_config
 from trainer.errors import ConfigError
-from trainer.models import llama, mixtral  # noqa: F401  (they register themselves)
 from trainer.models.spec import ModelSpec, families, family, register_family
 from trainer.tensors import local_tensor
 
@@ -112,3 +112,9 @@ def tied_names(cfg: ModelConfig) -> dict[str, str]:
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# Every folder here is a family whose package registers itself.
+for _family in pkgutil.iter_modules(__path__):
+    if _family.ispkg:
+        importlib.import_module(f"{__name__}.{_family.name}")
