@@ -78,7 +78,8 @@ def main(argv: list[str]) -> None:
         else:
             to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size)
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        sys.stderr.write(f"config error: {e}\n")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

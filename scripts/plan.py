@@ -19,11 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from trainer.config import CONFIG_DIR, check_group_choices, register_configs  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
+from trainer.overrides import compose_job  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -38,10 +35,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
     args, overrides = parser.parse_known_args(argv)
     try:
-        check_group_choices(overrides)
-        register_configs()
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            job = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+        job = compose_job(overrides)
         from trainer.models import import_modules
 
         import_modules(job.imports)

@@ -8,8 +8,9 @@ from helpers import ENV, REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer.config import CONFIG_DIR, RECIPE_DIR, check_group_choices, register_configs
+from trainer.config import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.errors import ConfigError
+from trainer.overrides import check_overrides
 
 register_configs()
 
@@ -63,10 +64,24 @@ def test_misspelt_key_and_wrong_type_fail_naming_the_key():
 
 def test_unknown_group_choice_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model=llama_huge is not a known model"):
-        check_group_choices(["model=llama_huge"])
+        check_overrides(["model=llama_huge"])
     with pytest.raises(ConfigError, match=r"recipe=nope is not a known recipe"):
-        check_group_choices(["+recipe=nope"])
-    check_group_choices(["+recipe=llama_fsdp", "model=llama_debug", "training.steps=3"])
+        check_overrides(["+recipe=nope"])
+    check_overrides(["+recipe=llama_fsdp", "model=llama_debug", "training.steps=3"])
+
+
+def test_unknown_keys_are_refused_even_with_plus_and_near_ones_named():
+    for arg in ("training.stepz=5", "+training.stepz=5", "++training.stepz=5"):
+        with pytest.raises(ConfigError, match=r"^training.stepz is not a config key; did you mean training.steps\?"):
+            check_overrides([arg])
+    with pytest.raises(ConfigError, match=r"^modle.dim is not a config key; did you mean model.dim"):
+        check_overrides(["modle.dim=8"])
+    with pytest.raises(ConfigError, match=r"^zzz is not a config key; see `python train.py --cfg job`"):
+        check_overrides(["+zzz=1"])
+    # Nested sections, the checkpoint mapping, a list of mappings, Hydra's own keys and flags pass.
+    check_overrides(["model.rope_scaling.factor=2", "metrics.wandb.enabled=true", "checkpoint.async=true",
+                     "training.spike.threshold=3", "data.mix=[]", "imports=[x]", "hydra.run.dir=.", "--cfg", "job",
+                     "~model.rope_scaling"])
 
 
 @pytest.mark.multiprocess

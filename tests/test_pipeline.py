@@ -29,6 +29,9 @@ def test_stage_placement():
     assert stage_ids(1, pp=4, per_rank=1, schedule="1f1b") == [1]
     assert stage_ids(1, pp=4, per_rank=2, schedule="interleaved_1f1b") == [1, 5]
     assert stage_ids(1, pp=4, per_rank=2, schedule="zbv") == [1, 6]
+    # pp=1 (no pipeline): whatever the schedule says, the rank holds the one whole model.
+    for schedule in ("zbv", "dualpipev", "interleaved_1f1b"):
+        assert stage_ids(0, pp=1, per_rank=1, schedule=schedule) == [0]
 
 
 def test_stages_chained_equal_the_whole_model():

@@ -210,6 +210,8 @@ class CheckpointConfig:
     resume: str = "auto"  # auto: the newest complete checkpoint in output_dir, if any | none | PATH
     async_save: bool = False  # the key `async` (a Python keyword, so renamed here)
     initial: Optional[str] = None  # weights to start from: a seed checkpoint, ours or a Hugging Face directory
+    # Resume output_dir's checkpoints although model, data, optimizer or batch settings changed.
+    allow_config_change: bool = False
 
     @classmethod
     def from_mapping(cls, node: dict) -> CheckpointConfig:
@@ -229,7 +231,7 @@ class CheckpointConfig:
         return cls(**values)
 
 
-def _checkpoint_keys() -> dict:
+def checkpoint_keys() -> dict:
     # `checkpoint.async` cannot be a dataclass field, so the schema holds checkpoint.* as a
     # mapping; Hydra's struct mode still rejects a misspelt key.
     defaults = vars(CheckpointConfig())
@@ -260,7 +262,7 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    checkpoint: Dict[str, Any] = field(default_factory=_checkpoint_keys)
+    checkpoint: Dict[str, Any] = field(default_factory=checkpoint_keys)
     # Python modules every rank imports first: model families defined outside trainer/ register there.
     imports: List[str] = field(default_factory=list)
 
@@ -277,21 +279,6 @@ def register_configs() -> None:
     cs.store(name="job_schema", node=JobConfig)
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
         cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
-
-
-GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
-
-
-def check_group_choices(argv: list[str]) -> None:
-    """Names an unknown `group=NAME` choice in one line, before Hydra composes anything."""
-    for arg in argv:
-        key, sep, name = arg.lstrip("+~").partition("=")
-        if not sep or key not in GROUPS:
-            continue
-        folder = RECIPE_DIR if key == "recipe" else CONFIG_DIR / key
-        known = sorted(p.stem for p in folder.glob("*.yaml"))
-        if name not in known:
-            raise ConfigError(f"{key}={name} is not a known {key}; choose one of {known}")
 
 
 def _recipe_name() -> str:

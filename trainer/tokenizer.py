@@ -48,11 +48,18 @@ class HFTokenizer:
         file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         if not file.is_file():
             raise ConfigError(f"data.tokenizer={path} is neither 'bytes' nor a tokenizer.json or a directory holding one")
-        self.tokenizer = Tokenizer.from_file(str(file))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises its own exception class for every failure
+            raise ConfigError(f"data.tokenizer={path}: {file} is not a tokenizer the tokenizers library reads "
+                              f"({str(e).splitlines()[0]})") from None
         # Ids need not be dense (added tokens may sit above the base vocabulary): the largest bounds them.
         self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         config_file = file.parent / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"data.tokenizer={path}: {config_file} is not JSON ({e})") from None
         eos_names = [name for name in (_token_name(config.get("eos_token")), *EOS_NAMES) if name]
         eos = [i for i in map(self.tokenizer.token_to_id, eos_names) if i is not None]
         if not eos:

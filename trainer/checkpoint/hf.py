@@ -27,9 +27,29 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+# The config.json keys every decoder this trainer reads has.
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+            "rms_norm_eps")
+
+
+def read_config(path: Path) -> dict:
+    """The config.json of the Hugging Face directory `path`: there, JSON, with the keys every decoder has."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not JSON ({e})") from None
+    missing = [key for key in REQUIRED if key not in hf]
+    if missing:
+        raise ConfigError(f"{file} lacks {', '.join(missing)}: not the config of a model this trainer reads")
+    return hf
+
+
 def config_from_hf(path: Path) -> ModelConfig:
     """Our model config for the Hugging Face model in directory `path`; unsupported features are errors."""
-    hf = json.loads((path / "config.json").read_text())
+    hf = read_config(path)
     spec = family_by_hf_type(hf.get("model_type"))
     if spec is None:
         supported = ", ".join(s.hf.model_type for s in map(family, families()) if s.hf is not None)
@@ -49,8 +69,15 @@ def config_from_hf(path: Path) -> ModelConfig:
         vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings")), **spec.hf.config_fields(hf),
+        tie_embeddings=bool(hf.get("tie_word_embeddings")), **_family_fields(spec, hf, path),
     )
+
+
+def _family_fields(spec, hf: dict, path: Path) -> dict:
+    try:
+        return spec.hf.config_fields(hf)
+    except KeyError as e:
+        raise ConfigError(f"{path}/config.json lacks {e.args[0]}: not a {spec.family} config") from None
 
 
 def _rope_scaling_from_hf(rope: dict, path: Path) -> RopeScaling | None:

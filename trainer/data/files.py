@@ -38,9 +38,28 @@ def documents(source: str, path: str | None, text_field: str = "text",
     import datasets
 
     def parquet_rows(p: str) -> Iterable[dict]:
+        if not _is_parquet(p, problems):
+            return ()
         return datasets.load_dataset("parquet", data_files=[p], split="train", streaming=True)
 
     return (text for p in paths for text in row_texts(parquet_rows(p), text_field, p, problems))
+
+
+def _is_parquet(path: str, problems: Problems) -> bool:
+    """Whether `path` holds parquet (it starts and ends with PAR1); an empty file is counted and passed
+    over, anything else is a config error (pyarrow's own comes later, as a traceback)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if size == 0:
+        problems.add("empty", path)
+        return False
+    if size < 8 or head != b"PAR1" or tail != b"PAR1":
+        raise ConfigError(f"data.path: {path} is not a parquet file (data.source=parquet); "
+                          f"set data.source to what it holds (text, json)")
+    return True
 
 
 class Problems:

@@ -54,8 +54,9 @@ def min_microbatches(schedule: str, pp: int, n_stages: int) -> int:
 
 
 def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
-    """The stages a rank runs: looped (r, r+pp, ...) or, for V-shaped schedules, (r, 2*pp-1-r)."""
-    if schedule in V_SHAPED:
+    """The stages a rank runs: looped (r, r+pp, ...) or, for V-shaped schedules, (r, 2*pp-1-r). Without
+    pipeline parallel (one stage per rank) the schedule is moot: the one stage."""
+    if schedule in V_SHAPED and per_rank == 2:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(per_rank)]
 

@@ -1,0 +1,91 @@
+"""The command line's overrides, checked before Hydra composes anything: a group choice that names no
+file, and a key the schema does not have (also when added with `+`, which Hydra would accept), each
+one `config error:` line with the choices or the nearest known keys. `compose_job` composes the
+checked overrides into a JobConfig outside a Hydra app (the planner, trainer-run's check)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+
+from trainer.config import CONFIG_DIR, RECIPE_DIR, JobConfig, checkpoint_keys, register_configs
+from trainer.errors import ConfigError
+
+GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Every `key=value` (or `+key=value`, `~key`) of `argv`: a known group choice or schema key."""
+    keys = None
+    for arg in argv:
+        if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+            continue  # Hydra's own flags (--cfg job) and their values
+        key, _, name = arg.lstrip("+~").partition("=")
+        if key in GROUPS:
+            _check_choice(key, name)
+        elif key.split(".")[0] != "hydra":
+            keys = keys or schema_keys()
+            _check_key(key, keys)
+
+
+def compose_job(overrides: list[str]) -> JobConfig:
+    """The job `train.py overrides...` would run, checked (see check_overrides) and composed."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    check_overrides(overrides)
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        # A value of the wrong type, say: Hydra's message names the key and value on its first lines.
+        raise ConfigError(" ".join(str(e).split("\n")[:2]).strip()) from None
+
+
+def _check_choice(group: str, name: str) -> None:
+    folder = RECIPE_DIR if group == "recipe" else CONFIG_DIR / group
+    known = sorted(p.stem for p in folder.glob("*.yaml"))
+    if name not in known:
+        raise ConfigError(f"{group}={name} is not a known {group}; choose one of {known}")
+
+
+def _check_key(key: str, keys: set[str]) -> None:
+    # A key inside a list of mappings (data.mix[0].weight) is checked up to its list.
+    if key.split("[")[0] in keys:
+        return
+    near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]}?" if near else "; see `python train.py --cfg job` for every key"
+    raise ConfigError(f"{key} is not a config key{hint}")
+
+
+def schema_keys() -> set[str]:
+    """Every dotted key of the job's schema, nested sections included."""
+    keys = {f"checkpoint.{name}" for name in checkpoint_keys()} | {"checkpoint"}
+    return keys | _fields(JobConfig, "")
+
+
+def _fields(cls, prefix: str) -> set[str]:
+    keys = set()
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        key = prefix + field.name
+        if key == "checkpoint":
+            continue
+        keys.add(key)
+        inner = _dataclass_of(hints[field.name])
+        if inner is not None:
+            keys |= _fields(inner, key + ".")
+    return keys
+
+
+def _dataclass_of(hint):
+    """The dataclass a field holds (itself, or inside Optional[...]), None for plain values and lists."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) is typing.Union:
+        return next((arg for arg in typing.get_args(hint) if dataclasses.is_dataclass(arg)), None)
+    return None
