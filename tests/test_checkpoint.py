@@ -14,6 +14,7 @@ from helpers import (
     ENV,
     REPO,
     by_step,
+    children,
     failure_report,
     finish,
     logged_steps,
@@ -195,18 +196,26 @@ def test_seed_checkpoint_is_the_starting_point(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path):
-    """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption): every rank ends the
-    step, a checkpoint is saved, the ranks exit; resume=auto then finishes the run."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig):
+    """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption), or Ctrl-C's SIGINT to the
+    ranks: every rank ends the step, a checkpoint is saved, the ranks exit; resume=auto then finishes
+    the run."""
     out = tmp_path / "run"
     process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
     wait_for(lambda: logged_steps(out) >= 3, process)
-    process.send_signal(signal.SIGTERM)
+    if sig == "SIGTERM":
+        process.send_signal(signal.SIGTERM)
+    else:
+        for rank in children(process.pid):
+            os.kill(rank, signal.SIGINT)
     finish(process)
     log = (tmp_path / "run.log").read_text()
     stopped = logged_steps(out)
-    assert stopped < STEPS and f"stopped at step {stopped} on a signal" in log, log[-3000:]
-    assert "exitcode" not in log  # no rank failed: each saved and exited 0
+    assert stopped < STEPS and f"stopped at step {stopped} on a signal ({sig})" in log, log[-3000:]
+    assert "exitcode" not in log and "/trainer/" not in log  # no rank failed: each saved and exited 0
+    if sig == "SIGINT":  # (torchrun, signalled itself, says so with a traceback of its own)
+        assert log.count("Ctrl-C: stopping after this step") == 1 and "Traceback" not in log
     assert verify(out / "checkpoints" / f"step_{stopped}") is None
 
     resumed = torchrun(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)

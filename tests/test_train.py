@@ -36,14 +36,20 @@ def test_torchrun_writes_metrics_config_console_lines_and_a_profile(tmp_path):
 
 @pytest.mark.multiprocess
 def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
-    result = torchrun(4, "+recipe=llama_hsdp", "model=llama_debug", "+smoke=cpu", "parallel.tp=3",
-                      output_dir=tmp_path, timeout=120)
+    bad = ("+recipe=llama_hsdp", "model=llama_debug", "+smoke=cpu", "parallel.tp=3")
+    line = "config error: parallel.tp=3 must divide model.n_heads=16"
+    result = torchrun(4, *bad, output_dir=tmp_path, timeout=120)
     assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
-    assert lines == ["config error: parallel.tp=3 must divide model.n_heads=16"] * 4
+    # Every rank stops; the first rank of the node says why, once.
+    assert [x for x in result.stderr.splitlines() if x.startswith("config error:")] == [line]
     # torchrun reports the failed ranks with its own traceback; none comes from our code.
     assert 'train.py", line' not in result.stderr and "/trainer/" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+    # trainer-run checks the config before it starts any rank: the line, exit 2, nothing else.
+    run = subprocess.run([sys.executable, "-m", "trainer.launcher", "--standalone", "--nproc_per_node=4",
+                          str(REPO / "train.py"), *bad, f"output_dir={tmp_path}"], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr) == (2, line + "\n")
 
 
 @pytest.mark.multiprocess

@@ -4,6 +4,7 @@ step, log, save. Everything else plugs in around it."""
 
 from __future__ import annotations
 
+import signal
 import time
 from functools import partial
 from pathlib import Path
@@ -29,6 +30,7 @@ from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import sum_grads_over_tp
 from trainer.profiler import StepProfiler
 from trainer.steps import describe_layout, describe_share, job_loss, make_step_fns
+from trainer.stop import StopRequest
 from trainer.tensors import local_tensor
 from trainer.watchdog import Watchdog
 
@@ -44,7 +46,6 @@ class Trainer:
         self.output_dir = Path(job.output_dir)
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(OmegaConf.create(config), self.output_dir / "config.yaml")
         self.log = partial(print, flush=True) if self.rank == 0 else lambda *_: None
 
         self.parts, stages = build_model_parts(build_options(job, dims, device), dims, device)
@@ -59,6 +60,8 @@ class Trainer:
         self._build_data(dataset, val_dataset)
         self.checkpoint_dir = self.output_dir / "checkpoints"
         self.step = self._resume(checkpoint)
+        if self.rank == 0 and self.step < t.steps:  # a finished run's config stays as it trained
+            OmegaConf.save(OmegaConf.create(config), self.output_dir / "config.yaml")
         self.scheduler = self._scheduler(self.step)
         self.checkpointer = None
         if checkpoint.enabled:
@@ -66,7 +69,7 @@ class Trainer:
                                              checkpoint.async_save, config["model"], device)
             self.checkpointer.before_publish = partial(self.faults.hang_or_kill, "kill_save")
 
-        self.logger = MetricsLogger(str(self.output_dir), self.rank == 0, job.metrics.wandb, config)
+        self.logger = MetricsLogger(str(self.output_dir), self.rank == 0, job.metrics.wandb, config, self.step)
         peak = peak_tflops(device, job.metrics.peak_tflops) if self.rank == 0 else None  # only rank 0 logs mfu
         self.throughput = Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
                                      dims.world_size, self.step)
@@ -83,8 +86,12 @@ class Trainer:
         self.loss_holders = dims.world_size // dims.pp  # the ranks holding a loss: those of the last stage
         self.rollback = t.spike.threshold is not None and t.spike.action == "rollback"
         self.profiler = StepProfiler(job.metrics.profile_step, job.output_dir, self.rank, device)
+        self.stop = StopRequest()
 
     def fit(self) -> None:
+        if self.step >= self.training.steps:
+            self.log(f"nothing to train: already at step {self.step} (training.steps={self.training.steps}); "
+                     f"raise training.steps to train on")
         while self.step < self.training.steps:
             self.step += 1
             step = self.step
@@ -100,8 +107,11 @@ class Trainer:
             if step % self.job.metrics.log_every == 0 or step == self.training.steps or validate:
                 self.log_step(loss, grad_norm, lr, validate)
             self.watchdog.phase("checkpoint")
-            if self.checkpointer is not None and self.checkpointer.after_step(step, self.training.steps,
-                                                                              self.saved_state):
+            stop = self.stop.agreed()
+            if self.checkpointer is not None:
+                self.checkpointer.after_step(step, self.training.steps, self.saved_state, stop)
+            if stop:
+                self._say_stopped()
                 break
         self.finish()
 
@@ -182,7 +192,17 @@ class Trainer:
         check_finite(self.parts, self.optimizer, self.step)
         return self.state.for_save(self.step, self.loader.position(self.step))
 
+    def _say_stopped(self) -> None:
+        received = self.stop.received
+        why = f"on a signal ({signal.Signals(received).name})" if received else "on a signal to another rank"
+        if self.checkpointer is None:
+            self.log(f"stopped at step {self.step} {why}; nothing was saved (checkpoint.enabled=false)")
+        else:
+            self.log(f"checkpoint: stopped at step {self.step} {why}: saved {self.checkpoint_dir}/step_{self.step}; "
+                     f"run the same command to go on from it (checkpoint.resume=auto)")
+
     def finish(self) -> None:
+        self.stop.close()
         self.watchdog.slow("finishing")
         if self.tensor_memory is not None:
             self.tensor_memory.stop()

@@ -104,9 +104,14 @@ class Throughput:
 class MetricsLogger:
     """Rank 0's record of training: one JSON line and one console line per logged step."""
 
-    def __init__(self, output_dir: str, enabled: bool, wandb_cfg=None, config: dict | None = None):
+    def __init__(self, output_dir: str, enabled: bool, wandb_cfg=None, config: dict | None = None,
+                 start_step: int = 0):
+        """A run resumed at `start_step` keeps the file's rows up to it (each step is in the file once);
+        a fresh run into a folder that has one moves it aside."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        if enabled and self.path.exists():
+            self._keep_until(start_step)
         self.wandb = None
         if enabled and wandb_cfg is not None and wandb_cfg.enabled:
             import wandb
@@ -114,6 +119,18 @@ class MetricsLogger:
             self.wandb = wandb.init(
                 project=wandb_cfg.project, mode=wandb_cfg.mode, dir=output_dir, config=config, reinit="finish_previous"
             )
+
+    def _keep_until(self, step: int) -> None:
+        if step == 0:
+            aside = self.path.with_name(f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            self.path.rename(aside)
+            print(f"metrics: {self.path} held an earlier run's rows; moved it to {aside.name}", flush=True)
+            return
+        rows = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in rows if _step_of(line) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -127,6 +144,14 @@ class MetricsLogger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl row; infinite for a line cut short by a killed job (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def format_record(r: dict) -> str:

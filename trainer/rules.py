@@ -24,12 +24,24 @@ from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE, min_microbatches, stages_per_rank
+from trainer.ranges import check_ranges
 from trainer.tensors import DTYPES, param_dtype
+
+
+def check_config(job: JobConfig, world: int) -> tuple[ParallelDims, CheckpointConfig]:
+    """Every rule on the config alone (no device, data or process group needed): what each rank checks
+    first, and trainer-run before it starts any. Returns the layout and the checkpoint settings."""
+    dims = check_job(job, world)
+    checkpoint = check_checkpoint(job.checkpoint)
+    if job.training.spike.action == "rollback" and not checkpoint.enabled:
+        raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a checkpoint to go back to)")
+    return dims, checkpoint
 
 
 def check_job(job: JobConfig, world: int) -> ParallelDims:
     """Checks `job` for a world of `world` ranks; returns its layout, with what the config leaves to
     derive (every `-1`, the accumulation steps) resolved. `job` is left as it is."""
+    check_ranges(job)
     check_model(job.model)
     dims = resolve_layout(job.parallel, job.model, job.training, world)
     if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
@@ -81,9 +93,6 @@ def _check_rope_scaling(r) -> None:
 
 
 def check_training(t, dims: ParallelDims) -> None:
-    for key in ("steps", "seq_len", "global_batch_size"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 1")
     if t.activation_checkpoint not in AC_MODES:
         raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be one of {list(AC_MODES)}")
     if t.activation_checkpoint_every < 1:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.allocator import reuse_freed_memory
+from trainer.checkpoint.rerun import check_rerun
 from trainer.config import JobConfig
 from trainer.data import build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
@@ -23,7 +24,7 @@ from trainer.output import OutputLock, check_writable
 from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
 from trainer.plan.devices import local_device
-from trainer.rules import check_checkpoint, check_job
+from trainer.rules import check_config
 from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
@@ -42,12 +43,17 @@ def run(cfg: DictConfig) -> None:
     job: JobConfig = OmegaConf.to_object(cfg)
     import_modules(job.imports)
     device = resolve_device(job.device)
-    dims = check_job(job, world_size())
-    checkpoint = check_checkpoint(job.checkpoint)
-    if job.training.spike.action == "rollback" and not checkpoint.enabled:
-        raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a checkpoint to go back to)")
+    dims, checkpoint = check_config(job, world_size())
+    check_rerun(OmegaConf.to_container(cfg, resolve=True), checkpoint, job.output_dir)
     check_writable(job.output_dir)
-    predicted = check_memory(job, dims, device) if job.plan.check else None
+    try:
+        predicted = check_memory(job, dims, device) if job.plan.check else None
+    except ConfigError as e:
+        if job.device == "auto" and device.type == "cpu":  # a GPU recipe run where there is none
+            plan = str(e).removeprefix("plan: ")
+            raise ConfigError(f"no GPU is visible, so device=auto runs on the CPU, where {plan}; for a CPU run "
+                              f"add +smoke=cpu (or device=cpu with a small model)") from None
+        raise
     if device.type == "cpu" and job.training.cpu_reuse_memory:
         reuse_freed_memory()
     dataset, val_dataset = build_datasets(job)

@@ -11,7 +11,7 @@ import enum
 import json
 import os
 import pickle
-import shutil
+import time
 import zlib
 from pathlib import Path
 
@@ -111,13 +111,12 @@ def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None
             os.fsync(f.fileno())
 
     def rename() -> None:
-        if final.exists():  # the same step saved again (a resumed run): the new one replaces it
-            old = final.with_name(final.name + ".old")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        if final.exists():  # the same step saved again: the one there is kept, under another name
+            aside = final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            final.rename(aside)
+            print(f"checkpoint: {final} existed (a checkpoint is never overwritten): moved it to {aside}",
+                  flush=True)
+        tmp.rename(final)
 
     on_rank_0(write_manifest, tmp / MANIFEST, rank, world, group, then=rename)
 

@@ -4,7 +4,6 @@ at start-up (resume, or initial weights)."""
 from __future__ import annotations
 
 import shutil
-import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -73,19 +72,6 @@ def roll_back(state: TrainState, folder: Path, checkpointer: Checkpointer, log) 
     return step
 
 
-class StopSignal:
-    """SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption, and what torchrun
-    forwards) becomes a request to stop after the current step; the loop saves and exits cleanly."""
-
-    def __init__(self):
-        self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
-
-
 class Checkpointer:
     """Saves every `interval` steps and at the last into `folder` (synchronously, or overlapped
     with training), publishes each save once all ranks are done, keeps the newest `keep_last`,
@@ -100,9 +86,6 @@ class Checkpointer:
         self.folder, self.interval, self.keep_last, self.async_save = folder, interval, keep_last, async_save
         self.model_config = model_config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # The stop flag is agreed on each step on the host: a gloo group (the default one if it is
-        # gloo), so that no step waits for the device.
-        self.host_group = None if dist.get_backend() == "gloo" else gloo_group()
         self.group = self.stager = self.background = None
         if async_save:
             # Async saves run their collectives on a group of their own, apart from training's.
@@ -114,25 +97,18 @@ class Checkpointer:
         self.pending: tuple[int, Future] | None = None
         self.before_publish = lambda step: None  # told when this rank's shards of `step` are written
         self.started = self.blocked = 0.0  # when the last save began; how long it held up training
-        self.stop = StopSignal()
         if self.rank == 0:
             for stale in folder.glob("step_*.tmp"):  # a save that never finished
                 shutil.rmtree(stale, ignore_errors=True)
             folder.mkdir(parents=True, exist_ok=True)
 
-    def after_step(self, step: int, last_step: int, state_fn) -> bool:
-        """Collective, after each optimizer step: saves when due (or when any rank was signalled)
-        with state_fn()'s state; returns whether to stop."""
-        flag = torch.tensor([self.stop.received is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
-        stop = bool(flag.item())
+    def after_step(self, step: int, last_step: int, state_fn, stop: bool = False) -> None:
+        """Collective, after each optimizer step: saves when due, or at once when the job stops (`stop`),
+        with state_fn()'s state."""
         if self.pending is not None and self.pending[1].done():
             self.wait()  # raises here what failed in the background
         if stop or step == last_step or step % self.interval == 0:
             self.save(step, state_fn(), wait=stop or step == last_step)
-        if stop and self.rank == 0:
-            print(f"checkpoint: stopped at step {step} on a signal; resume with checkpoint.resume=auto", flush=True)
-        return stop
 
     def _paths(self, step: int) -> tuple[Path, Path]:
         final = self.folder / f"step_{step}"
@@ -212,5 +188,3 @@ class Checkpointer:
             self.background.shutdown()
             self.stager.close()
             dist.destroy_process_group(self.group)
-        if self.host_group is not None:
-            dist.destroy_process_group(self.host_group)

@@ -42,13 +42,13 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     parallelize_moe(model, dims)
     apply_activation_checkpoint(blocks, options.activation_checkpoint, options.activation_checkpoint_every,
                                 regions=spec.checkpoint_regions if dims.ep_enabled else None)
+    if embedding is not None:
+        # The embedding's output as a tensor of its own. F.embedding returns a view, and an in-place op
+        # on a view an FSDP unit returned would skip FSDP's pre-backward hook (torch warns of it on
+        # every run). Under tensor parallel it is a collective's pending result (a tensor subclass),
+        # past which a compiled block returns its gradient, lost to the embedding (torch 2.13).
+        embedding.register_forward_hook(lambda module, args, output: output.clone())
     if options.compile:
-        if dims.tp_enabled and embedding is not None:
-            # The embedding's tensor-parallel output is a collective's pending result (a tensor
-            # subclass); a compiled block taking it as input returns its gradient past the DTensor
-            # conversion, and the embedding's backward fails or loses it (torch 2.13). A copy is a
-            # plain tensor, and the block needs the collective's result at once anyway.
-            embedding.register_forward_hook(lambda module, args, output: output.clone())
         for block in blocks.values():
             block.compile()
     # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.

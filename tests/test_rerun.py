@@ -1,0 +1,60 @@
+"""A rerun into a used output_dir never destroys or misdescribes what is there: a finished run trains
+nothing and keeps its config.yaml, a resume with other training settings is refused, a checkpoint
+folder is never overwritten (moved aside instead), and metrics.jsonl holds each step once."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from helpers import launch, read_metrics
+
+RUN = ("model=llama_debug", "+smoke=cpu", "training.seq_len=32", "training.global_batch_size=2", "model.n_layers=1",
+       "checkpoint.enabled=true", "checkpoint.interval=2")
+
+
+def run(out: Path, *overrides: str):
+    result = launch(1, *RUN, *overrides, output_dir=out, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.multiprocess
+def test_reruns_keep_what_is_there(tmp_path):
+    out = tmp_path / "run"
+    run(out, "training.steps=4")
+    config = (out / "config.yaml").read_bytes()
+
+    # Finished: the same command trains nothing; with another lr and seed it is refused, naming them.
+    again = run(out, "training.steps=4")
+    assert "nothing to train: already at step 4 (training.steps=4)" in again.stdout
+    changed = launch(1, *RUN, "training.steps=4", "training.lr=3e-4", "training.seed=7", output_dir=out, timeout=180)
+    assert changed.returncode == 2 and changed.stderr.count("config error:") == 1, changed.stderr[-2000:]
+    assert "training.lr=0.001 -> 0.0003, training.seed=0 -> 7" in changed.stderr
+    assert "Traceback" not in changed.stderr
+    assert (out / "config.yaml").read_bytes() == config
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+    # Resumed further: each step once in metrics.jsonl.
+    run(out, "training.steps=6")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+    # Checkpoints without their manifests are skipped by resume=auto, and the fresh run's saves of the
+    # same steps move them aside, byte for byte; the earlier metrics go aside too.
+    checkpoints = out / "checkpoints"
+    for step in checkpoints.glob("step_*"):
+        (step / "manifest.json").unlink()
+    before = {p.name: digest(p) for p in checkpoints.glob("step_*")}
+    fresh = run(out, "training.steps=6")
+    assert fresh.stdout.count("skipping") >= 3, fresh.stdout[-3000:]
+    for name, files in before.items():
+        (aside,) = checkpoints.glob(f"{name}.replaced-*")
+        assert digest(aside) == files
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    (old,) = out.glob("metrics.before-*.jsonl")
+    assert [json.loads(line)["step"] for line in old.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,41 @@
+"""A rerun into an output_dir whose checkpoints it would resume must train what they trained: the keys
+that shape the training (the model, the data, the optimizer, the batch, lr, seed, precision) are held
+against the config.yaml saved beside them. Steps, layout, logging and checkpointing may change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from trainer.checkpoint.files import MANIFEST, checkpoint_steps
+from trainer.config import CheckpointConfig
+from trainer.errors import ConfigError
+
+TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size", "training.lr",
+                 "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",
+                 "training.mixed_precision.")
+
+
+def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> None:
+    """A config error when this job would resume output_dir's checkpoints with other training settings
+    than config.yaml says they were trained with (unless checkpoint.allow_config_change=true)."""
+    saved_file = Path(output_dir) / "config.yaml"
+    if not (checkpoint.enabled and checkpoint.resume == "auto") or checkpoint.allow_config_change:
+        return
+    steps = checkpoint_steps(Path(output_dir) / "checkpoints")
+    if not saved_file.is_file() or not any((path / MANIFEST).is_file() for _, path in steps):
+        return
+    saved, now = _flat(OmegaConf.to_container(OmegaConf.load(saved_file))), _flat(config)
+    changed = [f"{key}={saved.get(key)} -> {now.get(key)}" for key in sorted(saved.keys() | now.keys())
+               if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
+    if changed:
+        raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with other settings "
+                          f"({', '.join(changed[:8])}); choose another output_dir, or set "
+                          f"checkpoint.allow_config_change=true to resume them with these")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    return {key: value for name, child in node.items() for key, value in _flat(child, f"{prefix}{name}.").items()}
