@@ -17,8 +17,7 @@ def job_with(key: str, value) -> JobConfig:
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("training.lr", -1.0, r"training.lr=-1.0 must be > 0"),
-    ("training.lr", 0.0, r"training.lr=0.0 must be > 0"),
+    ("training.lr", -1.0, r"training.lr=-1.0 must be >= 0"),
     ("training.warmup_steps", -5, r"training.warmup_steps=-5 must be >= 0"),
     ("training.weight_decay", -0.1, r"training.weight_decay=-0.1 must be >= 0"),
     ("training.max_norm", 0.0, r"training.max_norm=0.0 must be > 0"),

@@ -30,7 +30,7 @@ RANGES = {
     "model.aux_loss_coef": ("must be >= 0", _not_negative),
     "model.z_loss_coef": ("must be >= 0", _not_negative),
     **{f"training.{key}": ("must be >= 1", _at_least_one) for key in ("steps", "seq_len", "global_batch_size")},
-    "training.lr": ("must be > 0", _positive),
+    "training.lr": ("must be >= 0", _not_negative),
     "training.warmup_steps": ("must be >= 0", _not_negative),
     "training.weight_decay": ("must be >= 0", _not_negative),
     "training.max_norm": ("must be > 0 (the gradient norm clipped to)", _positive),
