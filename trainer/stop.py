@@ -43,7 +43,6 @@ class StopRequest:
         return bool(flag.item())
 
     def close(self) -> None:
-        for sig in SIGNALS:
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        # The handlers stay: a Ctrl-C while the job winds down still stops it without a traceback.
         if self.group is not None:
             dist.destroy_process_group(self.group)
