@@ -74,6 +74,7 @@ class Trainer:
         self.throughput = Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
                                      dims.world_size, self.step)
         self.moe_stats = None
+        self.spec = family(job.model.family)  # where the MoE statistics find the blocks, looked up once
         if job.model.n_experts:
             self.moe_stats = MoEStats(job.model.n_layers, job.model.n_experts, device, dims.ep)
         # On the CPU, live tensors are counted through the first steps: the model's, then all the steps make.
@@ -125,8 +126,7 @@ class Trainer:
         self.watchdog.phase("optimizer")
         sum_grads_over_tp(self.parts, self.dims)
         if self.moe_stats is not None:
-            self.moe_stats.collect(self.parts, family(self.job.model.family),
-                                   self.dims.grad_accum_steps * self.dims.pp_microbatches)
+            self.moe_stats.collect(self.parts, self.spec, self.dims.grad_accum_steps * self.dims.pp_microbatches)
         grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm, loss)
         # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
         self.optimizer.found_inf = self.guard.check(step, loss_sum / self.loss_holders, grad_norm)
