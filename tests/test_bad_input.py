@@ -2,6 +2,8 @@
 what to do, never a traceback from the library underneath."""
 
 import json
+import re
+import runpy
 import sys
 from pathlib import Path
 
@@ -52,3 +54,68 @@ def test_the_converter_says_one_config_error_line(tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and err.count("\n") == 1 and "missing is not a Hugging Face model" in err
+
+
+def run_train(argv: list[str]) -> int:
+    """train.py as `python train.py ARGV` runs it, in this process: its exit status."""
+    sys.argv = [str(REPO / "train.py"), *argv]
+    try:
+        runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def _bad_tokenizer(tmp_path: Path) -> str:
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("not json")
+    return str(tmp_path / "tok")
+
+
+def _text_file(tmp_path: Path, name: str = "a.txt") -> str:
+    (tmp_path / name).write_text("To be, or not to be, that is the question.\n" * 50)
+    return str(tmp_path / name)
+
+
+# name: (the overrides, given tmp_path; what the one line must say)
+MISTAKES = {
+    "negative lr": (lambda p: ["training.lr=-1"], r"training.lr=-1.0 must be >= 0"),
+    "zero batch": (lambda p: ["training.global_batch_size=0"], r"training.global_batch_size=0 must be >= 1"),
+    "beta2 above one": (lambda p: ["optim.beta2=1.5"], r"optim.beta2=1.5 must be in \[0, 1\)"),
+    "zero dim": (lambda p: ["model.dim=0"], r"model.dim=0 must be >= 1"),
+    "misspelt key": (lambda p: ["training.stepz=5"],
+                     r"training.stepz is not a config key; did you mean training.steps"),
+    "misspelt key added": (lambda p: ["+training.stepz=5"],
+                           r"training.stepz is not a config key; did you mean training.steps"),
+    "unknown recipe": (lambda p: ["+recipe=llama_nope"], r"recipe=llama_nope is not a known recipe; choose one of"),
+    "unknown model": (lambda p: ["model=llama_nope"], r"model=llama_nope is not a known model; choose one of"),
+    "unknown schedule": (lambda p: ["parallel.pp_schedule=nope"],
+                         r"parallel.pp_schedule=nope is unknown; choose one of"),
+    "tp not dividing heads": (lambda p: ["parallel.tp=3"], r"parallel.tp=3 must divide model.n_heads=16"),
+    "sequence too long": (lambda p: ["training.seq_len=100000"],
+                          r"training.seq_len=100000 must not exceed model.max_seq_len"),
+    "missing data": (lambda p: ["data.source=text", f"data.path={p}/none/*.txt"],
+                     r"data.path=.*none/\*.txt matches no readable file"),
+    "tokenizer not json": (lambda p: ["data.source=text", f"data.path={_text_file(p)}",
+                                      f"data.tokenizer={_bad_tokenizer(p)}"], r"data.tokenizer=.*is not a tokenizer"),
+    "parquet that is not": (lambda p: ["data.source=parquet", f"data.path={_text_file(p, 'a.parquet')}"],
+                            r"a.parquet is not a parquet file"),
+    "missing resume path": (lambda p: [f"checkpoint.resume={p}/none"], r"checkpoint.resume=.*none is not a directory"),
+    "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
+                            r"checkpoint.initial=.* is neither a Hugging Face model"),
+}
+
+
+@pytest.mark.parametrize("name", MISTAKES)
+def test_each_mistake_is_one_config_error_line_and_exit_2(name, tmp_path, capfd, monkeypatch):
+    overrides, says = MISTAKES[name]
+    monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "cache"))
+    # plan.check=false: the memory plan runs in a process of its own, and has nothing to say here.
+    argv = ["model=llama_debug", "+smoke=cpu", "training.steps=2", "training.seq_len=32", "plan.check=false",
+            f"output_dir={tmp_path / 'out'}", *overrides(tmp_path)]
+    assert run_train(argv) == 2
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+    assert err.startswith("config error: ") and err.count("\n") == 1, err
+    assert re.search(says, err), err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -225,6 +225,26 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig):
     assert difference <= EXACT
 
 
+@pytest.mark.multiprocess
+def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
+    """The second Ctrl-C does not wait for the step: the process ends on the signal, saving nothing."""
+    out = tmp_path / "run"
+    with open(tmp_path / "run.log", "w") as log:
+        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *LLAMA, "training.steps=1000",
+                                    "training.seq_len=512", "checkpoint.interval=1000", f"output_dir={out}"],
+                                   cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: logged_steps(out) >= 2, process)
+        process.send_signal(signal.SIGINT)
+        # Two signals sent together are one to the process: the second follows the first one's line.
+        wait_for(lambda: "Ctrl-C: stopping" in (tmp_path / "run.log").read_text(), process)
+        process.send_signal(signal.SIGINT)
+        code = finish(process)
+    text = (tmp_path / "run.log").read_text()
+    assert code == -signal.SIGINT, text[-3000:]  # a shell says 130
+    assert "Ctrl-C: stopping after this step" in text and "stopped at once (Ctrl-C twice)" in text
+    assert "Traceback" not in text and not list((out / "checkpoints").glob("step_*"))
+
+
 @pytest.mark.parametrize("override, message", [
     ("checkpoint.interval=0", "config error: checkpoint.interval=0 must be >= 1"),
     ("checkpoint.keep_last=-1", "config error: checkpoint.keep_last=-1 must be >= 0"),

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint.files import MANIFEST
+from trainer.checkpoint.hf import is_hf_dir
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.errors import ConfigError
 from trainer.models import family
@@ -330,6 +332,11 @@ def check_checkpoint(node: dict) -> CheckpointConfig:
         raise ConfigError(f"checkpoint.keep_last={cfg.keep_last} must be >= 0 (0 keeps every checkpoint)")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():
         raise ConfigError(f"checkpoint.resume={cfg.resume} is not a directory; use auto, none or a checkpoint's path")
-    if cfg.initial is not None and not Path(cfg.initial).is_dir():
-        raise ConfigError(f"checkpoint.initial={cfg.initial} is not a directory (a checkpoint or a Hugging Face model)")
+    if cfg.initial is not None:
+        initial = Path(cfg.initial)
+        if not initial.is_dir():
+            raise ConfigError(f"checkpoint.initial={initial} is not a directory (a checkpoint or a Hugging Face model)")
+        if not (is_hf_dir(initial) or (initial / MANIFEST).is_file()):
+            raise ConfigError(f"checkpoint.initial={initial} is neither a Hugging Face model (config.json and "
+                              f"*.safetensors) nor a checkpoint of this trainer ({MANIFEST})")
     return cfg

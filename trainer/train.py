@@ -54,12 +54,12 @@ def run(cfg: DictConfig) -> None:
             raise ConfigError(f"no GPU is visible, so device=auto runs on the CPU, where {plan}; for a CPU run "
                               f"add +smoke=cpu (or device=cpu with a small model)") from None
         raise
-    if device.type == "cpu" and job.training.cpu_reuse_memory:
-        reuse_freed_memory()
     dataset, val_dataset = build_datasets(job)
     if dataset.vocab_size > job.model.vocab_size:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
                           f"(data.tokenizer={job.data.tokenizer})")
+    if device.type == "cpu" and job.training.cpu_reuse_memory:
+        reuse_freed_memory()
     enable_flight_recorder(job.output_dir)
     lock = watchdog = None
     try:
