@@ -268,6 +268,18 @@ def test_hub_dataset_streams_in_order_each_rank_its_shard(tmp_path):
     assert loader.stream[0].tolist() == shard[:9]  # going back reads the shard again
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_hub_stream_says_what_it_passes_over_on_rank_0_only(tmp_path, capsys, monkeypatch, rank):
+    rows = [{"text": " ".join(sentence(random.Random(i)) for _ in range(4))} for i in range(300)]
+    rows[5] = {"title": "no text here"}
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.setenv("RANK", rank)
+    build_dataset(DataConfig(source="hub", path=str(tmp_path / "hub")), seq_len=8, seed=0, split="val")
+    said = capsys.readouterr().out
+    assert said.count("data: passed over 1 rows without a text in data.text_field") == (rank == "0"), said
+
+
 def test_unreachable_hub_dataset_fails_fast_naming_it():
     started = time.perf_counter()
     with pytest.raises(ConfigError, match="data.path=no-such-user/no-such-dataset: cannot stream the Hugging Face "

@@ -85,7 +85,8 @@ class Problems:
         entry = self.found.setdefault(kind, {}).setdefault(file, [0, where])
         entry[0] += count
         total = sum(n for n, _ in self.found[kind].values())
-        if self.live and len(str(total)) > len(str(total - count)):  # reached a power of 10
+        before = total - count
+        if self.live and (before == 0 or len(str(total)) > len(str(before))):  # reached 1, 10, 100, ...
             print(self._line(kind), flush=True)
 
     def _line(self, kind: str) -> str:

@@ -36,7 +36,9 @@ class HubStream(Dataset):
                  held_out: frozenset | None = None):
         self.data, self.seq_len, self.split, self.shard_of = data, seq_len, split, shard
         self.tokenizer = build_tokenizer(data.tokenizer)
-        self.problems = Problems(data.strict, live=True)
+        # Each rank meets the problems of its own shard (and every rank those of the validation
+        # windows): rank 0 says what it meets, so that a user reads each line once, not once per rank.
+        self.problems = Problems(data.strict, live=os.environ.get("RANK", "0") == "0")
         self.vocab_size, self.eos_id = self.tokenizer.vocab_size, self.tokenizer.eos_id
         self.windows = None
         if split != "all" and held_out is None:

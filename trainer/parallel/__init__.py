@@ -42,12 +42,12 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     parallelize_moe(model, dims)
     apply_activation_checkpoint(blocks, options.activation_checkpoint, options.activation_checkpoint_every,
                                 regions=spec.checkpoint_regions if dims.ep_enabled else None)
-    if embedding is not None and (options.compile or not dims.tp_enabled):
-        # The embedding's output as a tensor of its own. Without tensor parallel it is F.embedding's
-        # view, and an in-place op on a view an FSDP unit returned would skip FSDP's pre-backward hook
-        # (torch warns of it on every run). Under tensor parallel it is a collective's pending result
-        # (a tensor subclass), past which a compiled block returns its gradient, lost to the embedding
-        # (torch 2.13).
+    if embedding is not None:
+        # The embedding's output as a tensor of its own. It is a view (F.embedding's; under tensor
+        # parallel, DTensor.to_local's), and an in-place op on a view an FSDP unit returned would skip
+        # FSDP's pre-backward hook (torch warns of it on every run). Under compiled tensor parallel it
+        # is also a collective's pending result, past which a compiled block returns its gradient,
+        # lost to the embedding (torch 2.13).
         embedding.register_forward_hook(lambda module, args, output: output.clone())
     if options.compile:
         for block in blocks.values():

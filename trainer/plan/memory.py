@@ -113,7 +113,10 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
     # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them.
     buffers = 2 * largest_unit * FP32
     if schedule is not None:
-        buffers += 2 * in_flight * s.tokens * s.dim * s.act_bytes  # stage inputs and their gradients
+        # Stage inputs received and their gradients, for each stage-microbatch in flight; the first
+        # stage's input is token ids.
+        receiving = sum(1 for stage in stages if stage.stage != 0) / len(stages)
+        buffers += 2 * receiving * in_flight * s.tokens * s.dim * s.act_bytes
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
 
     start_of_backward = params + optimizer + gathered + activations + buffers + held_grads
