@@ -202,7 +202,8 @@ def check_mixtral_run(device, args) -> tuple[str, str]:
     model = ["model=mixtral_debug"]
     if device.type == "cuda":  # enlarged: 8 experts of a 1B-class block
         model += ["model.dim=1024", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=2048",
-                  "model.n_layers=8", "training.seq_len=4096", "training.global_batch_size=4"]
+                  "model.n_layers=8", "model.max_seq_len=4096", "training.seq_len=4096",
+                  "training.global_batch_size=4"]
     with tempfile.TemporaryDirectory() as out:
         records = train(training_overrides(device, model), out)
     ok = all(r["loss"] == r["loss"] for r in records) and records[-1]["loss"] < records[0]["loss"]

@@ -17,10 +17,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from trainer import build_model
 from trainer.models import ModelSpec, register_family
 from trainer.models.attention import CausalAttention
+from trainer.models.head import LMHead
 from trainer.models.llama.memory import attention_kept, attention_saved
 from trainer.models.llama.model import apply_rope, rope_cos_sin, rope_frequencies
 from trainer.models.spec import FP32, Shapes
-from trainer.parallel.tensor_parallel import ReplicateParameters
+from trainer.parallel.tensor_parallel import LMHeadParallel, ReplicateParameters
 
 FAMILY = "gelu_test"
 
@@ -66,9 +67,9 @@ class GeluModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.final_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.dim, cfg.vocab_size)
 
-    def forward(self, tokens, positions=None):
+    def forward(self, tokens, positions=None, labels=None):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[:2])
         h = self.embed(tokens) if self.embed is not None else tokens
@@ -76,7 +77,7 @@ class GeluModel(nn.Module):
             h = block(h, positions)
         if self.final_norm is not None:
             h = self.final_norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        return self.lm_head(h, labels) if self.lm_head is not None else h
 
     def init_std(self, name: str) -> float | None:
         if "ln_" in name or "final_norm" in name:
@@ -90,8 +91,7 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     return {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "final_norm": norm,
-        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                   use_local_output=not loss_parallel),
+        "lm_head": LMHeadParallel(between, vocab_parallel=loss_parallel),
         "blocks.*.ln_*": norm,
         "blocks.*.attn": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
         "blocks.*.attn.[qkv]": ColwiseParallel(),

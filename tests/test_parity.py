@@ -1,6 +1,7 @@
 """Every parallel layout reproduces the single-process loss curve.
 
-One seed, one global batch, ten steps of llama_debug in fp32. The 1-rank run is the reference;
+One seed, one global batch, ten steps of llama_debug in fp32. The 1-rank run (its loss on whole
+logits) is the reference;
 each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient norms must match
 too (2e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
 Rows ending in `_compile` run compiled blocks against the same eager reference; the bf16 column and
@@ -34,6 +35,10 @@ COMMON = (
     "training.global_batch_size=8", "training.lr=3e-3", "training.warmup_steps=2",
     "validation.every=5", "validation.steps=1",
 )
+# The references compute each microbatch's logits whole (the plain loss); the layouts chunk them, 100
+# tokens at a time (no microbatch here is a multiple of 100: every run has a short last chunk).
+PLAIN = ("training.loss_chunk_tokens=null",)
+CHUNKED = ("training.loss_chunk_tokens=100",)
 
 # name -> (ranks, recipe and overrides)
 LAYOUTS = {
@@ -106,7 +111,7 @@ MOE_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
-    return train_metrics(1, "+recipe=llama_fsdp", *COMMON, output_dir=tmp_path_factory.mktemp("reference"))
+    return train_metrics(1, "+recipe=llama_fsdp", *COMMON, *PLAIN, output_dir=tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +121,7 @@ def moe_reference(tmp_path_factory):
 
     def get(overrides: tuple) -> list[dict]:
         if overrides not in runs:
-            runs[overrides] = train_metrics(1, "+recipe=mixtral_ep", *MOE_COMMON, *overrides,
+            runs[overrides] = train_metrics(1, "+recipe=mixtral_ep", *MOE_COMMON, *PLAIN, *overrides,
                                             output_dir=tmp_path_factory.mktemp("moe_reference"))
         return runs[overrides]
 
@@ -154,7 +159,7 @@ def check_against(reference: list[dict], records: list[dict], layout: str, rtol:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_process(layout, reference, tmp_path):
     ranks, overrides = LAYOUTS[layout]
-    records = train_metrics(ranks, *overrides, *COMMON, output_dir=tmp_path)
+    records = train_metrics(ranks, *overrides, *COMMON, *CHUNKED, output_dir=tmp_path)
     check_against(reference, records, layout, RTOL, GRAD_NORM_RTOL)
 
 
@@ -162,7 +167,7 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
     ranks, overrides, reference_overrides = MOE_LAYOUTS[layout]
-    records = train_metrics(ranks, *overrides, *MOE_COMMON, output_dir=tmp_path)
+    records = train_metrics(ranks, *overrides, *MOE_COMMON, *CHUNKED, output_dir=tmp_path)
     reference = moe_reference(reference_overrides)
     check_against(reference, records, layout, MOE_RTOL, MOE_GRAD_NORM_RTOL)
     # The same tokens are routed the same way: the expert loads and the auxiliary loss agree.
@@ -194,7 +199,8 @@ BF16_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory) -> list[dict]:
-    return train_metrics(1, "+recipe=llama_fsdp", *BF16_COMMON, *BF16, output_dir=tmp_path_factory.mktemp("bf16"))
+    return train_metrics(1, "+recipe=llama_fsdp", *BF16_COMMON, *BF16, *PLAIN,
+                         output_dir=tmp_path_factory.mktemp("bf16"))
 
 
 @pytest.mark.multiprocess
@@ -212,7 +218,7 @@ def test_bf16_single_process_follows_fp32(bf16_reference, tmp_path):
 @pytest.mark.parametrize("layout", BF16_LAYOUTS)
 def test_bf16_layout_matches_single_process(layout, bf16_reference, tmp_path):
     ranks, overrides = BF16_LAYOUTS[layout]
-    records = train_metrics(ranks, *overrides, *BF16_COMMON, *BF16, output_dir=tmp_path)
+    records = train_metrics(ranks, *overrides, *BF16_COMMON, *BF16, *CHUNKED, output_dir=tmp_path)
     check_against(bf16_reference, records, f"bf16 {layout}", BF16_RTOL, BF16_GRAD_NORM_RTOL)
 
 

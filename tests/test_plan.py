@@ -184,6 +184,28 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
             f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f}"
 
 
+# A vocabulary of 32,000 and 2,048 tokens a step on one rank: the head and the loss dominate.
+LARGE_VOCAB = ("model=llama_debug", "model.vocab_size=32000", "+smoke=cpu", "training.steps=2",
+               "training.seq_len=256", "training.global_batch_size=8")
+
+
+@pytest.mark.multiprocess
+def test_the_chunked_loss_saves_two_fp32_logits_and_the_plan_knows(tmp_path):
+    """The default chunked loss against the plain one (whole logits): at least two [tokens, vocab]
+    fp32 tensors fewer at the peak, and the plan predicts both."""
+    measured, planned = {}, {}
+    for name, chunk in (("plain", "null"), ("chunked", "512")):
+        overrides = (*LARGE_VOCAB, f"training.loss_chunk_tokens={chunk}")
+        measured[name] = train_metrics(1, *overrides, output_dir=tmp_path / name)[-1]["mem_tensor_gib"]
+        job = job_of(*overrides)
+        planned[name] = make_plan(job, check_job(job, 1), local_device(torch.device("cpu"), 1)).ranks[0].peak / GIB
+    print(f"32K vocabulary, 2,048 tokens: measured {measured}, planned {planned} (GiB)")
+    logits = 2048 * 32000 * 4 / GIB
+    assert measured["plain"] - measured["chunked"] >= 2 * logits, measured
+    for name in measured:
+        assert abs(planned[name] / measured[name] - 1) <= MEMORY_RTOL, f"{name}: {measured} {planned}"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", SELECTIVE)
 def test_selective_checkpointing_keeps_less_than_none_and_more_than_full(layout, tmp_path):

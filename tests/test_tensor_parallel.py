@@ -1,16 +1,16 @@
-"""Tensor parallel: where the logits live under loss parallel, and how much of the model each rank holds."""
+"""Tensor parallel: the output head and its loss split on the vocabulary (or not), and how much of the model
+each rank holds."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import spawn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from trainer import build_model
 from trainer.models import count_params, family, init_weights, materialize
+from trainer.models.head import IGNORE_INDEX, set_loss_chunk
 from trainer.parallel import ParallelOptions, parallelize
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.tensor_parallel import loss_parallel_context
 from trainer.steps import cross_entropy
 
 
@@ -21,39 +21,47 @@ def _tp2_fsdp2(rank, world_size, loss_parallel):
     parallelize(model, family("llama"), dims, ParallelOptions(loss_parallel=loss_parallel))
     materialize(model, "cpu")
     init_weights(model, seed=0)
+    set_loss_chunk(model, 5)  # 32 tokens: six chunks and a short one
 
-    # Every weight is split over all four ranks (dp_shard x tp) but the norms, split over dp only.
+    # Every weight is split over all four ranks (dp_shard x tp) but the norms, split over dp only, and
+    # without loss parallel the output head, replicated on the tp ranks.
     total = count_params(build_model("llama_debug", device="meta"))
     local = sum(p.to_local().numel() for p in model.parameters())
-    norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight"))
-    assert local == (total - norms) // 4 + norms // 2
+    on_dp = ("norm.weight",) if loss_parallel else ("norm.weight", "output.weight")
+    dp_only = sum(p.numel() for name, p in model.named_parameters() if name.endswith(on_dp))
+    assert local == (total - dp_only) // 4 + dp_only // 2
 
+    # The same tokens on every rank (FSDP's average of equal gradients is that gradient), one label ignored.
+    tokens = torch.randint(0, 2048, (2, 17), generator=torch.Generator().manual_seed(0))
+    labels = tokens[:, 1:].clone()
+    labels[1, 4] = IGNORE_INDEX
     seen = []
     model.output.register_forward_hook(lambda module, args, output: seen.append(output))
-    tokens = torch.randint(0, 2048, (2, 17), generator=torch.Generator().manual_seed(dims.view("dp").get_local_rank()))
-    with loss_parallel_context(loss_parallel):
-        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-    (logits,) = seen
-    if loss_parallel:
-        # Split on the vocabulary: no rank ever holds a whole row of logits.
-        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
-        assert logits.to_local().shape == (2, 16, 2048 // 2)
-    else:
-        assert not isinstance(logits, DTensor) and logits.shape == (2, 16, 2048)
-    # The loss is the ordinary cross-entropy of the whole logits.
-    with torch.no_grad():
-        full = logits.full_tensor() if isinstance(logits, DTensor) else logits
-        expected = F.cross_entropy(full.flatten(0, 1), tokens[:, 1:].flatten())
-        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-    torch.testing.assert_close(value, expected)
+    loss = model(tokens[:, :-1], labels=labels)
+    loss.backward()
+    # Only the loss leaves the head: no logits of the whole microbatch, split or not.
+    assert seen[0].dim() == 0
+
+    # The loss and the gradients are those of the plain cross-entropy on one process.
+    reference = build_model("llama_debug", device="meta")
+    materialize(reference, "cpu")
+    init_weights(reference, seed=0)
+    expected = cross_entropy(reference(tokens[:, :-1]), labels)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for name in ("output.weight", "tok_embeddings.weight", "layers.0.attention.wq.weight"):
+        grad, plain = model.get_parameter(name).grad.full_tensor(), reference.get_parameter(name).grad
+        assert (grad - plain).norm() <= 1e-6 * plain.norm(), name
+    with torch.no_grad():  # asked for logits, a rank gives its vocabulary shard (loss parallel) or all
+        logits = model(tokens[:, :-1])
+    assert logits.shape == (2, 16, 2048 // 2 if loss_parallel else 2048) and not isinstance(logits, DTensor)
 
 
 @pytest.mark.multiprocess
-def test_loss_parallel_keeps_logits_split_on_the_vocabulary():
+def test_loss_parallel_splits_the_head_on_the_vocabulary_and_equals_the_plain_loss():
     spawn(_tp2_fsdp2, 4, True)
 
 
 @pytest.mark.multiprocess
-def test_without_loss_parallel_logits_are_whole():
+def test_without_loss_parallel_every_rank_computes_the_whole_loss():
     spawn(_tp2_fsdp2, 4, False)

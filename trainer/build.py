@@ -16,6 +16,7 @@ from torch import nn
 from trainer.config import JobConfig, ModelConfig
 from trainer.models import build_model, family, init_weights, materialize
 from trainer.models.attention import attend_within_documents
+from trainer.models.head import set_loss_chunk
 from trainer.models.moe import set_aux_loss_scale
 from trainer.parallel import ParallelOptions, parallelize
 from trainer.parallel.dims import ParallelDims
@@ -32,6 +33,7 @@ class BuildOptions:
     document_mask: bool = False
     seed: int = 0
     aux_loss_scale: float = 1.0  # the MoE auxiliary losses' gradient scale (see set_aux_loss_scale)
+    loss_chunk_tokens: int | None = 512  # tokens per chunk of the output head and its loss (LMHead)
 
 
 def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str) -> BuildOptions:
@@ -47,7 +49,7 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
     aux_loss_scale = 1 / (dims.grad_accum_steps * dims.pp_microbatches * dims.tp)
     return BuildOptions(model=job.model, parallel=parallel, stage_modules=stage_modules(job, dims),
                         pp_schedule=p.pp_schedule, document_mask=job.data.document_mask, seed=t.seed,
-                        aux_loss_scale=aux_loss_scale)
+                        aux_loss_scale=aux_loss_scale, loss_chunk_tokens=t.loss_chunk_tokens)
 
 
 def stage_modules(job: JobConfig, dims: ParallelDims) -> list[list[str]]:
@@ -76,6 +78,7 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str], de
         materialize(part, device)
         init_weights(part, options.seed)
     set_aux_loss_scale(part, options.aux_loss_scale)
+    set_loss_chunk(part, options.loss_chunk_tokens)
     return part
 
 

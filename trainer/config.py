@@ -120,6 +120,9 @@ class TrainingConfig:
     # none | full | selective; under full, every Nth block is checkpointed (1: every block).
     activation_checkpoint: str = "none"
     activation_checkpoint_every: int = 1
+    # The output head and the loss are computed this many tokens at a time, so that the logits of at
+    # most one chunk exist (null: the plain loss on a microbatch's whole logits, for reference).
+    loss_chunk_tokens: Optional[int] = 512
     # A step whose loss or gradient norm is NaN or infinite: skip (no optimizer step) | stop.
     on_nonfinite: str = "skip"
     max_skipped_steps: int = 10  # skipped steps in a row that stop the job (0: no limit)

@@ -51,9 +51,7 @@ class Trainer:
         self.parts, stages = build_model_parts(build_options(job, dims, device), dims, device)
         self.model = nn.ModuleList(self.parts)
         self.param_mib = self._describe_model()
-        self.loss_parallel = dims.tp_enabled and job.parallel.loss_parallel
-        self.step_fn, self.eval_fn = make_step_fns(job, dims, device, self.parts, stages, self.loss_parallel,
-                                                   watchdog.phase)
+        self.step_fn, self.eval_fn = make_step_fns(job, dims, device, self.parts, stages, watchdog.phase)
         self.optimizer = build_optimizer(self.model, job.optim, t.lr, t.weight_decay)
         self.state = TrainState(self.parts, self.optimizer)
         self.faults = Faults.from_env(self.rank, job.output_dir)

@@ -31,6 +31,7 @@ RANGES = {
     "model.z_loss_coef": ("must be >= 0", _not_negative),
     **{f"training.{key}": ("must be >= 1", _at_least_one) for key in ("steps", "seq_len", "global_batch_size")},
     "training.lr": ("must be >= 0", _not_negative),
+    "training.loss_chunk_tokens": ("must be >= 1, or null (no chunks)", _at_least_one),
     "training.warmup_steps": ("must be >= 0", _not_negative),
     "training.weight_decay": ("must be >= 0", _not_negative),
     "training.max_norm": ("must be > 0 (the gradient norm clipped to)", _positive),
@@ -46,7 +47,7 @@ RANGES = {
 def check_ranges(job) -> None:
     for key, (rule, ok) in RANGES.items():
         value = attrgetter(key)(job)
-        if not ok(value):
+        if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} {rule}")
     m = job.model
     if m.dim % m.n_heads:

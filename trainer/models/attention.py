@@ -249,14 +249,16 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q, k, v, causal: bool, mask: Mask):
-    """FlexAttention with a block mask built from `mask`: blocks no query sees are skipped."""
+def _flex(q, k, v, causal: bool, mask: Mask | None):
+    """FlexAttention with a block mask built from `mask` (None: causal or full): blocks no query
+    sees are skipped."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def sees(b, h, i, j):
-        return mask.sees(b, i, j) & (j <= i) if causal else mask.sees(b, i, j)
+        seen = (j <= i) if causal else (j >= 0)
+        return seen if mask is None else seen & mask.sees(b, i, j)
 
-    batch = None if mask.starts is None else q.shape[0]
+    batch = None if mask is None or mask.starts is None else q.shape[0]
     block_mask = create_block_mask(sees, batch, None, q.shape[2], k.shape[2], device=q.device)
     flex = _compiled_flex() if q.device.type == "cuda" else flex_attention
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])

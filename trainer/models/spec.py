@@ -35,6 +35,7 @@ class Shapes:
     n_experts: int = 0
     top_k: int = 0
     expert_load: float = 1.0  # the slots this rank's experts take, over an even share
+    loss_chunk: int | None = None  # tokens per chunk of the output head and loss (None: all at once)
 
 
 
@@ -62,9 +63,10 @@ class HFMapping:
 class ModelSpec:
     """Everything particular to one model family.
 
-    - `model`: the plain-PyTorch model class, built from a ModelConfig; it defines `init_std(name)`,
-      and forward accepts a stage's inputs (hidden states when it has no embedding) and returns
-      hidden states when it has no head.
+    - `model`: the plain-PyTorch model class, built from a ModelConfig; it defines `init_std(name)`.
+      `forward(tokens, positions=None, labels=None)` accepts a stage's inputs (hidden states when it
+      has no embedding) and returns hidden states when it has no head; its output projection is an
+      LMHead (trainer.models.head), called with the labels: the logits without them, else the loss.
     - `embedding`, `blocks`, `head`: module paths. The blocks live in an nn.ModuleDict keyed by their
       index; the embedding, each block and the head (its modules together) are the pipeline and FSDP
       units, in that order. A stage keeps some of them and the others are set to None (removed from

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.microbatch import sum_reducer
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -116,8 +117,10 @@ def build_schedule(schedule: str, stages: list[nn.Module], ids: list[int], n_sta
     ]
     # No scaling by the schedule: it divides all of .grad at the end of each step(), which also
     # shrinks the gradients of earlier accumulation steps again; `loss_fn` carries the whole scale.
+    # The last stage outputs its microbatch's loss (a scalar): merged by summing, not concatenating.
     stage_arg = pipeline_stages[0] if schedule in SINGLE_STAGE else pipeline_stages
-    return SCHEDULES[schedule](stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return SCHEDULES[schedule](stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False,
+                               output_merge_spec=sum_reducer)
 
 
 def stage_owners(pp: int, per_rank: int, schedule: str) -> list[int]:
@@ -131,9 +134,9 @@ _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @torch.no_grad()
 def forward_only(parts: list[nn.Module], stages: list[int], owners: list[int], pp_rank: int, group,
-                 inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-    """The model's output for `inputs`, stage after stage, each rank running its own and passing the
-    hidden states [batch, seq, dim] on; the output on the rank of the last stage, None elsewhere."""
+                 inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """The model's loss for `inputs` and `labels`, stage after stage, each rank running its own and
+    passing the hidden states [batch, seq, dim] on; the loss on the rank of the last stage, None elsewhere."""
     x = inputs
     for stage, owner in enumerate(owners):
         previous = owners[stage - 1] if stage else owner
@@ -143,7 +146,7 @@ def forward_only(parts: list[nn.Module], stages: list[int], owners: list[int], p
                 dist.recv(header, group=group, group_src=previous)
                 x = torch.empty(header[1:].tolist(), dtype=_WIRE_DTYPES[header[0]], device=inputs.device)
                 dist.recv(x, group=group, group_src=previous)
-            x = parts[stages.index(stage)](x, positions)
+            x = parts[stages.index(stage)](x, positions, labels)
         elif previous == pp_rank:
             header = torch.tensor([_WIRE_DTYPES.index(x.dtype), *x.shape], device=x.device)
             dist.send(header, group=group, group_dst=owner)

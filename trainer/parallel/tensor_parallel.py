@@ -1,20 +1,19 @@
 """Tensor parallel (Megatron-style) with sequence parallel and loss parallel, on the tp submesh.
 
 A family writes its plan as data (module path -> ParallelStyle, see its `parallelize.py`); this
-module applies it, leaving out the paths a pipeline stage does not hold. With loss parallel the
-output stays split on the vocabulary and the loss is computed on the shards
-(`loss_parallel_context`).
+module applies it, leaving out the paths a pipeline stage does not hold. The output head with its
+loss (trainer.models.head.LMHead) takes `LMHeadParallel`: with loss parallel its weight is split on
+the vocabulary and each rank computes the loss's sums on its shard.
 """
 
 from __future__ import annotations
 
-import contextlib
 from fnmatch import fnmatch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> None:
@@ -46,6 +45,30 @@ class ReplicateParameters(ParallelStyle):
         )
 
 
-def loss_parallel_context(enabled: bool):
-    """Where forward's loss and backward run: cross-entropy on vocabulary-split logits needs it."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
+class LMHeadParallel(ParallelStyle):
+    """The output head with its loss (an LMHead) on the tp mesh. Its input, the hidden states laid out
+    as `input_layout` (Shard(1) under sequence parallel), is gathered whole on every rank. With
+    `vocab_parallel` its weight is split on the vocabulary (each rank computes its shard's logits;
+    the input's gradient is a partial sum, reduced by the layout), else replicated (each rank
+    computes the whole loss)."""
+
+    def __init__(self, input_layout: Placement, vocab_parallel: bool):
+        super().__init__()
+        self.input_layout, self.vocab_parallel = input_layout, vocab_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placement = Shard(0) if self.vocab_parallel else Replicate()
+
+        def partition(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [placement])))
+
+        def gather_input(mod, inputs, mesh):
+            h, *rest = inputs
+            if not isinstance(h, DTensor):  # (sequence parallel's norm hands on a DTensor)
+                h = DTensor.from_local(h, mesh, [self.input_layout], run_check=False)
+            h = h.redistribute(mesh, [Replicate()])
+            grad = Partial() if self.vocab_parallel else Replicate()
+            return (h.to_local(grad_placements=[grad]), *rest)
+
+        return distribute_module(module, device_mesh, partition, gather_input)

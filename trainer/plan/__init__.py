@@ -117,6 +117,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
         sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
         act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k, expert_load=expert_load,
+        loss_chunk=t.loss_chunk_tokens,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
     # Full checkpointing applies to every Nth block: the share of blocks it recomputes.

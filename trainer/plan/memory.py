@@ -3,7 +3,7 @@
 The parameters' terms come from the real module tree (layout.py); a block's activations are counted by
 its family (its spec's memory terms, from the model's shapes, tensor by tensor, as the code saves them
 for backward). Two moments compete for the
-peak: the start of backward (every saved activation, the logits and the loss's float copies) and the
+peak: the start of backward (every saved activation, the head's and loss's gradients and a chunk of logits) and the
 optimizer step (every gradient, plus the temporaries of the fused AdamW update).
 """
 
@@ -43,14 +43,27 @@ def checkpointed_layer_bytes(s: Shapes) -> float:
     return stream * s.dim * s.act_bytes
 
 
-def loss_bytes(s: Shapes) -> float:
-    """The last stage's head at the start of backward: the final norm's input, the head's gathered
-    input, the logits, their float copy, log-softmax's output and the gradient it returns."""
+def loss_bytes(s: Shapes, in_flight: int = 1) -> float:
+    """The last stage's head and loss (LMHead) at their peak, the final norm's input included.
+
+    Chunked: the gradients of the head's input and weight, computed in forward and held to backward
+    (the weight's in fp32), for each microbatch whose backward has not run; and the larger of what
+    forward computes a chunk in (its logits in fp32, their gradient in the compute dtype) and what
+    backward scales the gradients in. Plain (no chunks): the logits, their float copy, log-softmax's
+    output and the gradient it returns, and the head's input.
+    """
     stream = s.tokens // s.tp if s.sequence_parallel and s.tp > 1 else s.tokens
     vocab = s.vocab // s.tp if s.loss_parallel and s.tp > 1 else s.vocab
-    logits = s.tokens * vocab
-    copies = logits * (s.act_bytes + (FP32 if s.act_bytes != FP32 else 0) + 2 * FP32)
-    return copies + (stream + s.tokens) * s.dim * s.act_bytes
+    norm_input = stream * s.dim * s.act_bytes
+    if s.loss_chunk is None and not (s.loss_parallel and s.tp > 1):
+        logits = s.tokens * vocab
+        copies = logits * (s.act_bytes + (FP32 if s.act_bytes != FP32 else 0) + 2 * FP32)
+        return norm_input + copies + s.tokens * s.dim * s.act_bytes
+    chunk = min(s.loss_chunk or s.tokens, s.tokens)
+    held = s.tokens * s.dim * s.act_bytes + vocab * s.dim * FP32
+    forward = chunk * vocab * (FP32 + (s.act_bytes if s.act_bytes != FP32 else 0))
+    backward = vocab * s.dim * s.act_bytes + 2 * s.tokens * s.dim * FP32
+    return norm_input + in_flight * held + max(forward, backward)
 
 
 def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank: int, n_microbatches: int) -> int:
@@ -107,7 +120,10 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
             kept, share, recomputed = checkpointed_layer_bytes(s), checkpointed_share, per_layer
         per_block = share * kept + (1 - share) * per_layer
         saved = in_flight * stage_layers * per_block + recomputed  # one block recomputed at a time
-    activations = saved + (loss_bytes(s) if has_loss else 0)
+    # gpipe runs every forward before any backward; the other schedules run the loss stage's backward
+    # right after its forward.
+    loss_in_flight = n_microbatches if schedule == "gpipe" else 1
+    activations = saved + (loss_bytes(s, loss_in_flight) if has_loss else 0)
 
     largest_unit = max((u.gathered for u in units), default=0)
     # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them.

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.attention import CausalAttention
+from trainer.models.head import LMHead
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
@@ -112,15 +113,17 @@ class Llama(nn.Module):
             }
         )
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = LMHead(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
     def make_feed_forward(self, cfg) -> nn.Module:
         return FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab] (or hidden states in, out, for a stage).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab], or with labels [batch, seq] their mean
+        cross-entropy (LMHead); hidden states in, out, for a pipeline stage without the head.
 
         positions [batch, seq]: each token's position for the rotary embedding, 0..seq-1 if None.
         """
@@ -131,7 +134,7 @@ class Llama(nn.Module):
             h = layer(h, positions)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.output(h, labels) if self.output is not None else h
 
     def init_std(self, name: str) -> float | None:
         """The std of the normal a parameter starts from; None for ones (the norm weights).

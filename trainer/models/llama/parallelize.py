@@ -4,7 +4,7 @@ Within a block, q/k/v and the SwiGLU gate/up projections are split by output (co
 attention output and down projections by input (row-wise), so each block needs one collective
 before it and one after. With sequence parallel the norms and the residual stream between those
 regions are split on the sequence dimension instead of replicated. With loss parallel the output
-projection stays split on the vocabulary and the loss is computed on the shards.
+projection is split on the vocabulary and the loss is computed on the shards.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from trainer.parallel.tensor_parallel import ReplicateParameters
+from trainer.parallel.tensor_parallel import LMHeadParallel, ReplicateParameters
 
 
 def edge_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
@@ -24,12 +24,7 @@ def edge_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "norm": norm,
-        "output": ColwiseParallel(
-            input_layouts=between,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            # Loss parallel needs the logits as a DTensor to know they are split on the vocabulary.
-            use_local_output=not loss_parallel,
-        ),
+        "output": LMHeadParallel(between, vocab_parallel=loss_parallel),
         "layers.*.attention_norm": norm,
         "layers.*.ffn_norm": norm,
     }

@@ -1,0 +1,120 @@
+"""The output projection and the loss, computed together a chunk of tokens at a time.
+
+`LMHead` is the final projection of every family: given labels it returns the mean cross-entropy
+instead of the logits, and no [tokens, vocabulary] tensor is ever whole. Each chunk's logits are
+computed in the compute dtype, turned into fp32 log-sum-exps and the gradient of the loss, and freed
+before the next chunk: the gradients of the input and of the weight are computed in forward (their
+GEMMs in the compute dtype, the weight's accumulated in fp32) and scaled in backward, so nothing of
+the size of the logits is saved and no matmul runs twice.
+
+Under tensor parallel with the vocabulary split (LMHeadParallel), each rank holds its shard's rows
+of the weight: per chunk the ranks exchange their log-sum-exps (one all-gather of a [chunk] vector)
+and, once per microbatch, the target logits (one all-reduce); the input's gradient is a partial sum
+that tensor parallel's layout reduces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+IGNORE_INDEX = -100  # labels to leave out of the loss (F.cross_entropy's default)
+
+
+class LMHead(nn.Linear):
+    """The output projection [dim -> vocabulary], without bias. `forward(h)` returns the logits;
+    `forward(h, labels)` the mean cross-entropy over the labels that are not IGNORE_INDEX, with the
+    logits computed `chunk_tokens` tokens at a time. None: the plain loss, F.cross_entropy on the whole
+    logits (under loss parallel, where those are split on the vocabulary: all tokens in one chunk)."""
+
+    def __init__(self, dim: int, vocab_size: int, chunk_tokens: int | None = 512, **kwargs):
+        super().__init__(dim, vocab_size, bias=False, **kwargs)
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        weight, group = self.weight, None
+        if isinstance(weight, DTensor):  # tensor parallel: this rank's rows, and the group sharing them
+            if weight.placements[0] == Shard(0):
+                group = weight.device_mesh.get_group()
+            weight = weight.to_local()
+        if labels is None:
+            return F.linear(h, weight)  # this rank's vocabulary shard of the logits under tensor parallel
+        if self.chunk_tokens is None and group is None:  # the plain loss, on whole logits
+            return F.cross_entropy(F.linear(h, weight).flatten(0, -2).float(), labels.flatten())
+        chunk = self.chunk_tokens or labels.numel()
+        # (Function.forward runs without grad mode: whether gradients are wanted is decided here.)
+        grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk, group, grads)
+
+
+def set_loss_chunk(model: nn.Module, tokens: int | None) -> None:
+    """Every LMHead of `model` computes its loss `tokens` tokens at a time (None: all at once)."""
+    for module in model.modules():
+        if isinstance(module, LMHead):
+            module.chunk_tokens = tokens
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, group,
+                want_grads: bool) -> torch.Tensor:
+        tokens, vocab = h.shape[0], weight.shape[0]
+        first = dist.get_rank(group) * vocab if group is not None else 0  # this shard's first vocabulary id
+        local = labels - first
+        here = (local >= 0) & (local < vocab)
+        local = torch.where(here, local, 0)
+        valid = labels != IGNORE_INDEX
+        count = valid.sum()
+        lse = torch.empty(tokens, dtype=torch.float32, device=h.device)
+        target = torch.empty(tokens, dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if want_grads else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grads else None
+        for start in range(0, tokens, chunk):
+            end = min(start + chunk, tokens)
+            x = h[start:end]
+            logits = (x @ weight.t()).float()
+            chunk_lse = logits.logsumexp(dim=-1)
+            if group is not None:  # the log-sum-exp over the whole vocabulary, from every shard's
+                shards = torch.empty(dist.get_world_size(group) * (end - start), dtype=torch.float32, device=h.device)
+                _all_gather(shards, chunk_lse, group)
+                chunk_lse = shards.view(-1, end - start).logsumexp(dim=0)
+            lse[start:end] = chunk_lse
+            rows = torch.arange(end - start, device=h.device)
+            target[start:end] = torch.where(here[start:end], logits[rows, local[start:end]], 0.0)
+            if want_grads:
+                # d(sum of losses)/d(logits) = softmax - one_hot(label) on the valid rows, in place of
+                # the logits; the mean's 1/count and the upstream gradient are applied in backward.
+                grad = logits.sub_(chunk_lse[:, None]).exp_()
+                grad[rows, local[start:end]] -= here[start:end].float()
+                grad = grad.mul_(valid[start:end, None]).to(h.dtype)
+                del logits
+                torch.mm(grad, weight, out=grad_h[start:end])
+                if grad_w.dtype == grad.dtype:
+                    grad_w.addmm_(grad.t(), x)
+                else:  # (a bf16 product added into fp32: no mixed-dtype addmm on every device)
+                    grad_w += grad.t() @ x
+        if group is not None:
+            dist.all_reduce(target, group=group)  # each label's logit lives on one shard
+        count = count.clamp(min=1)
+        loss = torch.where(valid, lse - target, 0.0).sum() / count
+        if want_grads:
+            ctx.save_for_backward(grad_h, grad_w, count)
+            ctx.dtypes = (h.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_loss.float() / count  # applied in fp32: a bf16 scale would bias every gradient alike
+        h_dtype, w_dtype = ctx.dtypes
+        # Out of place: a zero-bubble schedule runs this backward twice (input, then weight gradients).
+        return (grad_h.float() * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None, None
+
+
+def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    # torch 2.13 renames all_gather_into_tensor (and warns on the old name); older ones lack the new one.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=group)
