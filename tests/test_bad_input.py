@@ -83,6 +83,8 @@ MISTAKES = {
     "zero batch": (lambda p: ["training.global_batch_size=0"], r"training.global_batch_size=0 must be >= 1"),
     "beta2 above one": (lambda p: ["optim.beta2=1.5"], r"optim.beta2=1.5 must be in \[0, 1\)"),
     "zero dim": (lambda p: ["model.dim=0"], r"model.dim=0 must be >= 1"),
+    "unknown selective policy": (lambda p: ["training.activation_checkpoint=selective", "training.selective_policy=some"],
+                                 r"training.selective_policy=some must be one of \['half_mm', 'ops'\]"),
     "zero loss chunk": (lambda p: ["training.loss_chunk_tokens=0"],
                         r"training.loss_chunk_tokens=0 must be >= 1, or null"),
     "misspelt key": (lambda p: ["training.stepz=5"],

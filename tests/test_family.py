@@ -18,7 +18,7 @@ from trainer import build_model
 from trainer.models import ModelSpec, register_family
 from trainer.models.attention import CausalAttention
 from trainer.models.head import LMHead
-from trainer.models.llama.memory import attention_kept, attention_saved
+from trainer.models.llama.memory import attention_kept, attention_saved, stream_tokens
 from trainer.models.llama.model import apply_rope, rope_cos_sin, rope_frequencies
 from trainer.models.spec import FP32, Shapes
 from trainer.parallel.tensor_parallel import LMHeadParallel, ReplicateParameters
@@ -107,9 +107,12 @@ def activation_bytes(s: Shapes) -> float:
     return (elements + 2 * s.tokens * s.ffn_dim // s.tp) * s.act_bytes + fp32 * FP32
 
 
-def selective_bytes(s: Shapes) -> float:
-    elements, into_stream = attention_kept(s)
-    elements += s.tokens * s.ffn_dim // s.tp + into_stream
+def selective_bytes(s: Shapes, policy: str) -> float:
+    """Of the MLP, the up projection's output and the down projection's with its reduced copy (the
+    block's fifth and sixth matmuls: half_mm recomputes the down projection, keeping the copy)."""
+    elements, _ = attention_kept(s, policy)
+    elements += s.tokens * s.ffn_dim // s.tp + (s.tokens * s.dim if policy == "ops" else 0)
+    elements += stream_tokens(s) * s.dim if s.tp > 1 else 0
     return elements * s.act_bytes + s.tokens * s.n_heads // s.tp * FP32
 
 

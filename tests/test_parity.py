@@ -52,6 +52,8 @@ LAYOUTS = {
     "fsdp2_ac_full_every2_compile": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full",
                                          "training.activation_checkpoint_every=2", "training.compile=true"]),
     "fsdp2_ac_selective": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective"]),
+    "fsdp2_ac_selective_ops": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective",
+                                   "training.selective_policy=ops"]),
     "tp2": (2, ["+recipe=llama_tp2"]),
     "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
     "tp2_hsdp2x1": (4, ["+recipe=llama_tp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),

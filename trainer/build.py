@@ -41,6 +41,7 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
     parallel = ParallelOptions(
         param_dtype=param_dtype(t.mixed_precision, device), reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
         activation_checkpoint=t.activation_checkpoint, activation_checkpoint_every=t.activation_checkpoint_every,
+        selective_policy=t.selective_policy,
         compile=t.compile, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
     )
     # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit. Under

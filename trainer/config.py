@@ -120,6 +120,8 @@ class TrainingConfig:
     # none | full | selective; under full, every Nth block is checkpointed (1: every block).
     activation_checkpoint: str = "none"
     activation_checkpoint_every: int = 1
+    # What selective keeps of a block's matmul outputs: half_mm (every second one) | ops (all of them).
+    selective_policy: str = "half_mm"
     # The output head and the loss are computed this many tokens at a time, so that the logits of at
     # most one chunk exist (null: the plain loss on a microbatch's whole logits, for reference).
     loss_chunk_tokens: Optional[int] = 512

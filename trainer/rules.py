@@ -22,6 +22,7 @@ from trainer.config import CheckpointConfig, JobConfig
 from trainer.errors import ConfigError
 from trainer.models import family
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
+from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
@@ -97,6 +98,8 @@ def _check_rope_scaling(r) -> None:
 def check_training(t, dims: ParallelDims) -> None:
     if t.activation_checkpoint not in AC_MODES:
         raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be one of {list(AC_MODES)}")
+    if t.selective_policy not in SELECTIVE_POLICIES:
+        raise ConfigError(f"training.selective_policy={t.selective_policy} must be one of {list(SELECTIVE_POLICIES)}")
     if t.activation_checkpoint_every < 1:
         raise ConfigError(f"training.activation_checkpoint_every={t.activation_checkpoint_every} must be >= 1")
     check_guards(t)

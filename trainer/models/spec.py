@@ -78,7 +78,7 @@ class ModelSpec:
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
     - `flops_per_token(cfg, seq_len)`: training FLOPs per token; `check(cfg)`: the family's config
       rules (ConfigError); `hf`: its Hugging Face mapping, None if it has none.
-    - `activation_bytes(shapes)`, `selective_bytes(shapes)`: the memory plan's terms, the bytes one block
+    - `activation_bytes(shapes)`, `selective_bytes(shapes, policy)`: the memory plan's terms, the bytes one block
       saves for backward in one microbatch without checkpointing, and under selective checkpointing.
     """
 
@@ -90,7 +90,7 @@ class ModelSpec:
     tp_plan: Callable[[bool, bool], dict]
     flops_per_token: Callable[[ModelConfig, int], float]
     activation_bytes: Callable[[Shapes], float]
-    selective_bytes: Callable[[Shapes], float]
+    selective_bytes: Callable[[Shapes, str], float]
     check: Callable[[ModelConfig], None] = lambda cfg: None
     hf: HFMapping | None = None
     checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None

@@ -26,6 +26,7 @@ class ParallelOptions:
     reduce_dtype: torch.dtype = torch.float32
     activation_checkpoint: str = "none"
     activation_checkpoint_every: int = 1
+    selective_policy: str = "half_mm"
     compile: bool = False
     sequence_parallel: bool = True
     loss_parallel: bool = True
@@ -41,7 +42,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
         apply_cp(model, dims.view("cp"), options.cp_method)
     parallelize_moe(model, dims)
     apply_activation_checkpoint(blocks, options.activation_checkpoint, options.activation_checkpoint_every,
-                                regions=spec.checkpoint_regions if dims.ep_enabled else None)
+                                regions=spec.checkpoint_regions if dims.ep_enabled else None,
+                                policy=options.selective_policy)
     if embedding is not None:
         # The embedding's output as a tensor of its own. It is a view (F.embedding's; under tensor
         # parallel, DTensor.to_local's), and an in-place op on a view an FSDP unit returned would skip

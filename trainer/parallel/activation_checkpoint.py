@@ -2,9 +2,11 @@
 
 - `full`: the block keeps only its input and runs its whole forward again in backward; with
   `every=N`, only every Nth block (the first, the N+1th, ...) is checkpointed, the others keep all.
-- `selective`: every block keeps the outputs of its matmuls, its attention and its reduce-scatters
-  (the expensive work, and collectives not worth repeating) and recomputes the cheap element-wise
-  ops (norms, rotary embedding, SiLU, products) in backward.
+- `selective`: every block keeps the outputs of its attention and its reduce-scatters (the most
+  expensive work, and collectives not worth repeating) and recomputes the cheap element-wise ops
+  (norms, rotary embedding, SiLU, products) in backward. Of its matmuls, policy `ops` keeps every
+  output; `half_mm` every second one (the first, third, ... of the block, counted alike in forward
+  and in the recompute), recomputing the others: less memory for a sixth more matmul work.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
+POLICIES = ("half_mm", "ops")
 
 _aten = torch.ops.aten
 SAVED_OPS = {
@@ -37,8 +40,23 @@ def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _half_mm_contexts():
+    """A fresh policy for one checkpointed call: every second matmul is recomputed."""
+    seen = {False: 0, True: 0}  # matmuls met in forward, and in the recompute
+
+    def keep(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is _aten.mm.default:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _keep_expensive(ctx, op)
+
+    return create_selective_checkpoint_contexts(keep)
+
+
 def apply_activation_checkpoint(blocks: nn.ModuleDict, mode: str, every: int = 1,
-                                regions: Callable[[nn.Module], list[nn.Module]] | None = None) -> None:
+                                regions: Callable[[nn.Module], list[nn.Module]] | None = None,
+                                policy: str = "half_mm") -> None:
     """Checkpoints the blocks (keyed by their index in the whole model, so a pipeline stage
     checkpoints the same blocks as one rank holding them all).
 
@@ -53,7 +71,8 @@ def apply_activation_checkpoint(blocks: nn.ModuleDict, mode: str, every: int = 1
         return
     options = {}
     if mode == "selective":
-        options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_expensive)
+        options["context_fn"] = (_half_mm_contexts if policy == "half_mm"
+                                 else partial(create_selective_checkpoint_contexts, _keep_expensive))
     for name, block in blocks.items():
         if mode == "full" and int(name) % every:
             continue

@@ -132,15 +132,20 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
             schedule=schedule, pp=dims.pp,
             n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
             param_bytes=act_bytes,
-            has_loss=any(s.stage == n_stages - 1 for s in stages),
+            has_loss=any(s.stage == n_stages - 1 for s in stages), selective_policy=t.selective_policy,
         ))
 
     flops = flops_per_token(m, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     # Full checkpointing runs a block's forward again (4/3 of the work: forward 1, backward 2); a
     # zero-bubble schedule's split backward runs it twice more (5/3, see memory.py). Selective
-    # checkpointing recomputes only element-wise work, not counted in the FLOPs.
+    # checkpointing recomputes element-wise work, not counted in the FLOPs, and under half_mm some
+    # matmuls.
     extra = (2 if schedule in ZERO_BUBBLE else 1) * share
+    if t.activation_checkpoint == "selective" and t.selective_policy == "half_mm":
+        # Every second matmul of a block runs again: about half of the blocks' matmul forward.
+        blocks_matmul = flops - 12 * m.n_layers * m.dim * t.seq_len - 6 * m.dim * m.vocab_size
+        extra += 0.5 * blocks_matmul / flops
     flops_per_rank = flops * tokens_per_step / dims.world_size * (3 + extra) / 3
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))

@@ -86,7 +86,7 @@ def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank
 
 def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
-                param_bytes: int, has_loss: bool) -> RankMemory:
+                param_bytes: int, has_loss: bool, selective_policy: str = "half_mm") -> RankMemory:
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     params = sharded * FP32
     grads = sharded * FP32
@@ -115,7 +115,8 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
         saved = (1 + checkpointed_share) * in_flight * stage_layers * per_layer
     else:
         if activation_checkpoint == "selective":  # a block's recompute adds what it did not keep
-            kept, share, recomputed = spec.selective_bytes(s), 1.0, per_layer - spec.selective_bytes(s)
+            kept = spec.selective_bytes(s, selective_policy)
+            share, recomputed = 1.0, per_layer - kept
         else:
             kept, share, recomputed = checkpointed_layer_bytes(s), checkpointed_share, per_layer
         per_block = share * kept + (1 - share) * per_layer

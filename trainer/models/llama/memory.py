@@ -31,20 +31,26 @@ def activation_bytes(s: Shapes) -> float:
     return elements * s.act_bytes + fp32 * FP32
 
 
-def attention_kept(s: Shapes) -> tuple[float, float]:
+def attention_kept(s: Shapes, policy: str) -> tuple[float, float]:
     """Under selective checkpointing, (elements, the output projection's products into the stream)
-    the block's input and attention keep: the outputs of its matmuls, its attention and the
-    collectives that reduce into the residual stream."""
+    the block's input and attention keep: the outputs of its matmuls (under `half_mm` the first and
+    third, q and v, but not k or the output projection's), its attention and the collectives that
+    reduce into the residual stream."""
     t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
     stream = stream_tokens(s)
     kv = t * s.n_kv_heads * head // tp
-    # The output projections' products, and with tensor parallel their reduced copies.
-    into_stream = t * s.dim + (stream * s.dim if tp > 1 else 0)
-    return stream * s.dim + t * s.dim // tp + 2 * kv + t * s.dim // tp + into_stream, into_stream
+    reduced = stream * s.dim if tp > 1 else 0  # with tensor parallel, the reduced copies
+    # The output projections' products, and their reduced copies.
+    into_stream = (t * s.dim if policy == "ops" else 0) + reduced
+    projections = t * s.dim // tp + (2 if policy == "ops" else 1) * kv
+    return stream * s.dim + projections + t * s.dim // tp + into_stream, into_stream
 
 
-def selective_bytes(s: Shapes) -> float:
-    """Bytes a block under selective checkpointing keeps (the rest is recomputed)."""
-    elements, into_stream = attention_kept(s)
-    elements += 2 * s.tokens * s.ffn_dim // s.tp + into_stream
+def selective_bytes(s: Shapes, policy: str) -> float:
+    """Bytes a block under selective checkpointing keeps (the rest is recomputed): of the
+    feed-forward, the gate's and up projection's outputs (`half_mm`: the gate's) and the down
+    projection's."""
+    elements, _ = attention_kept(s, policy)
+    elements += (2 if policy == "ops" else 1) * s.tokens * s.ffn_dim // s.tp
+    elements += s.tokens * s.dim + (stream_tokens(s) * s.dim if s.tp > 1 else 0)
     return elements * s.act_bytes + s.tokens * s.n_heads // s.tp * FP32  # attention's log-sum-exp

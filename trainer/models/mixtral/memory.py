@@ -19,8 +19,9 @@ def activation_bytes(s: Shapes) -> float:
     return elements * s.act_bytes + fp32 * FP32
 
 
-def selective_bytes(s: Shapes) -> float:
-    """The router's logits; each token's top_k copies through the experts' three matmuls."""
-    elements, _ = attention_kept(s)
+def selective_bytes(s: Shapes, policy: str) -> float:
+    """The router's logits (its matmul is the block's fifth: kept by both policies); each token's
+    top_k copies through the experts' three grouped matmuls."""
+    elements, _ = attention_kept(s, policy)
     elements += stream_tokens(s) * s.n_experts + slots(s) * s.expert_load * (2 * s.ffn_dim + s.dim)
     return elements * s.act_bytes + s.tokens * s.n_heads // s.tp * FP32
