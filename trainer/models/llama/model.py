@@ -41,11 +41,15 @@ def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos, sin: [batch, seq, head_dim]."""
+    """x: [batch, seq, heads, head_dim]; cos, sin: [batch, seq, head_dim] (both halves alike).
+
+    Each pair (x[i], x[i + head_dim/2]) turns by its angle: a complex product in float32 (fewer,
+    cheaper kernels than cat, neg and four products, forward and backward; and no bf16 rounding
+    of cos and sin)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
-    return x * cos + rotated * sin
+    pairs = torch.complex(x[..., :half].float(), x[..., half:].float())
+    turn = torch.complex(cos[:, :, None, :half], sin[:, :, None, :half])
+    return torch.view_as_real(pairs * turn).transpose(-1, -2).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
