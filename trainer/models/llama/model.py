@@ -43,9 +43,25 @@ def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; cos, sin: [batch, seq, head_dim] (both halves alike).
 
-    Each pair (x[i], x[i + head_dim/2]) turns by its angle: a complex product in float32 (fewer,
-    cheaper kernels than cat, neg and four products, forward and backward; and no bf16 rounding
-    of cos and sin)."""
+    Each pair (x[i], x[i + head_dim/2]) turns by its angle, as a complex product in float32 (fewer,
+    cheaper kernels than cat, neg and four products; no bf16 rounding of cos and sin). Backward
+    turns the gradient back by the same angle, so nothing but cos and sin is saved."""
+    return _Rotate.apply(x, cos, sin)
+
+
+class _Rotate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _turn(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _turn(grad, cos, -sin), None, None
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     pairs = torch.complex(x[..., :half].float(), x[..., half:].float())
     turn = torch.complex(cos[:, :, None, :half], sin[:, :, None, :half])
