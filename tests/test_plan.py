@@ -124,7 +124,7 @@ MEASURED = {
     "ep2": (2, ("+recipe=mixtral_ep", *MIXTRAL)),
     "tp2_pp4": (8, ("+recipe=llama_tp2_pp4", *LLAMA)),
 }
-MEMORY_RTOL = 0.15
+MEMORY_RTOL = 0.10
 SPEED_RTOL = 0.30
 # Steps 1 and 2 are counted (mem_tensor_gib) and warm up; the steps after them are timed.
 COUNTED, TIMED = 2, 3
@@ -163,7 +163,7 @@ def train_case(layout: str, ac: str, tmp_path) -> list[dict]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, ac", CASES)
 def test_prediction_matches_measurement(layout, ac, tmp_path):
-    """Rank 0's peak of live tensors (mem_tensor_gib) within 15% of the plan's; on 1 and 2 ranks
+    """Rank 0's peak of live tensors (mem_tensor_gib) within 10% of the plan's; on 1 and 2 ranks
     without checkpointing, tokens/s of the steps after the counted ones within 30% of the plan's
     for this CPU (its matmul rate and gloo bandwidth timed before and after the run)."""
     ranks, timed, overrides = case(layout, ac)
@@ -179,6 +179,7 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
     load = max(r["expert_load_ep"][0] for r in records[:COUNTED]) if "expert_load_ep" in records[0] else 1.0
     plan = make_plan(job, check_job(job, ranks), device, expert_load=load)
     measured, predicted = records[-1]["mem_tensor_gib"], plan.ranks[0].peak / GIB
+    print(f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f} ({predicted / measured - 1:+.1%})")
     assert abs(predicted / measured - 1) <= MEMORY_RTOL, f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f}"
     if timed:
         speed = statistics.median(r["tokens_per_s"] for r in records[COUNTED:])

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.layers import swiglu
+
 
 class GroupedExperts(nn.Module):
     """`n_experts` SwiGLU feed-forwards with their weights stacked on a leading expert dimension."""
@@ -49,7 +51,7 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     (torch 2.13). Other dtypes on CUDA loop over the experts, one matmul per expert and weight
     (their split sizes come from the host: a sync)."""
     if len(x) == 0:  # no tokens (an expert-parallel rank nobody routed to): zero gradients
-        return (F.silu(x @ w1[0].T) * (x @ w3[0].T)) @ w2[0].T
+        return swiglu(x @ w1[0].T, x @ w3[0].T) @ w2[0].T
     if x.dtype != torch.bfloat16 and x.device.type != "cpu":
         return _expert_swiglu_loop(x, counts, w1, w2, w3)
     align = GROUP_ALIGN.get(x.device.type, 1) if align is None else align
@@ -61,7 +63,7 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     def matmul(a, w):  # a's slice for expert e times w[e].T
         return F.grouped_mm(a, w.transpose(1, 2), offs=offsets)
 
-    out = matmul(F.silu(matmul(x, w1)) * matmul(x, w3), w2)
+    out = matmul(swiglu(matmul(x, w1), matmul(x, w3)), w2)
     return out if rows is None else out[rows]
 
 
@@ -82,7 +84,7 @@ def _align_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[to
 
 def _expert_swiglu_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     out = [
-        (F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T
+        swiglu(chunk @ w1[e].T, chunk @ w3[e].T) @ w2[e].T
         for e, chunk in enumerate(x.split(counts.tolist()))
     ]
     return torch.cat(out)

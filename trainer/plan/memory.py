@@ -127,8 +127,13 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
     activations = saved + (loss_bytes(s, loss_in_flight) if has_loss else 0)
 
     largest_unit = max((u.gathered for u in units), default=0)
-    # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them.
+    # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them. Without
+    # checkpointing they appear as the block's backward frees what it saved, so only what exceeds a
+    # block's activations adds to the peak; with it, they are still held while the next block's
+    # forward is recomputed.
     buffers = 2 * largest_unit * FP32
+    if activation_checkpoint == "none":
+        buffers = max(0.0, buffers - per_layer)
     if schedule is not None:
         # Stage inputs received and their gradients, for each stage-microbatch in flight; the first
         # stage's input is token ids.

@@ -14,20 +14,23 @@ def stream_tokens(s: Shapes) -> int:
 def attention_saved(s: Shapes) -> tuple[float, float]:
     """(elements in the compute dtype, fp32 elements) the norms and attention of a block save."""
     t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
-    elements = 2 * stream_tokens(s) * s.dim  # the two norms' inputs
+    elements = 2 * stream_tokens(s) * s.dim  # the two norms' inputs (and a float32 scale per token)
     elements += 2 * t * s.dim  # the (gathered) inputs of the q/k/v and the feed-forward projections
     kv = t * s.n_kv_heads * head // tp
     elements += t * s.dim // tp + 2 * kv  # q, k, v (after the rotary embedding)
-    elements += 2 * t * s.dim // tp  # attention's output and its copy into the output projection
+    # Attention's output: the kernels lay it out [batch, seq, heads, head_dim], so the output projection's
+    # input is a view of it.
+    elements += t * s.dim // tp
     if s.cp > 1 and s.cp_method == "allgather":
         elements += 2 * kv * s.cp  # the gathered keys and values
-    return elements, t * s.n_heads // tp + 2 * t * head  # attention's log-sum-exp; the rotary cos and sin
+    # Attention's log-sum-exp, the rotary cos and sin, the norms' scales.
+    return elements, t * s.n_heads // tp + 2 * t * head + 2 * stream_tokens(s)
 
 
 def activation_bytes(s: Shapes) -> float:
     """Bytes one block saves for backward in one microbatch (no checkpointing)."""
     elements, fp32 = attention_saved(s)
-    elements += 4 * s.tokens * s.ffn_dim // s.tp  # gate, its SiLU, up, and their product
+    elements += 3 * s.tokens * s.ffn_dim // s.tp  # gate, up, and the product of up and gate's SiLU
     return elements * s.act_bytes + fp32 * FP32
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.attention import CausalAttention
 from trainer.models.head import LMHead
+from trainer.models.layers import RMSNorm, swiglu
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
@@ -102,16 +102,16 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, norm_eps: float, rope_theta: float,
                  feed_forward: nn.Module, rope_scaling=None):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
         self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta, rope_scaling)
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ class Llama(nn.Module):
                 for i in range(cfg.n_layers)
             }
         )
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = LMHead(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

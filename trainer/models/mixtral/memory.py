@@ -14,7 +14,7 @@ def slots(s: Shapes) -> float:
 
 def activation_bytes(s: Shapes) -> float:
     elements, fp32 = attention_saved(s)
-    elements += slots(s) * s.expert_load * (2 * s.dim + 4 * s.ffn_dim)
+    elements += slots(s) * s.expert_load * (2 * s.dim + 3 * s.ffn_dim)
     fp32 += stream_tokens(s) * s.n_experts * 3 + slots(s) * 2  # router logits and probabilities, routing weights
     return elements * s.act_bytes + fp32 * FP32
 
