@@ -3,6 +3,7 @@ layer without host syncs, bf16 training runs with compile and selective checkpoi
 checkpoints saved and restored through the trainer.
 
     python scripts/gpu_check.py          # on a machine with one CUDA GPU: every check (minutes)
+    python scripts/gpu_check.py --table  # and then the side-by-side runs, as a table (about 10 more minutes)
     python scripts/gpu_check.py --cpu    # what a CPU can run of them, at tiny sizes (CI runs this)
 
 One line per check, PASS / FAIL / SKIP with its figures; exit status 1 if any failed. Multi-rank
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -163,6 +165,7 @@ def train(overrides: list[str], out: str) -> list[dict]:
                              *overrides], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "train.py failed")
+    (Path(out) / "console.log").write_text(result.stdout)
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -225,6 +228,52 @@ def check_checkpoint_resume(device, args) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), f"steps 3-4: first run {losses[0]}, resumed from step 2 {losses[1]}"
 
 
+# The runs of the side-by-side table (bf16, one GPU; torchtitan's figures come from ../peers/gpu's kit on
+# the same shapes): the Llama 3.2 1B shape untied (1.50B parameters), 4 x 4096 tokens, and Llama 3 8B's
+# layers (8 of them), 1 x 8192 tokens. Median of the steps after the first 10 of 30.
+ONE_B = ["model=llama3_1b", "model.tie_embeddings=false", "training.seq_len=4096", "training.global_batch_size=4"]
+EIGHT_B = ["model=llama3_8b", "model.n_layers=8", "training.seq_len=8192", "training.global_batch_size=1"]
+TABLE = {
+    "1B shape, compile, no AC": (ONE_B, True, "none"),
+    "1B shape, compile, selective AC": (ONE_B, True, "selective"),
+    "1B shape, compile, full AC": (ONE_B, True, "full"),
+    "1B shape, eager, no AC": (ONE_B, False, "none"),
+    "8B layers, 1 x 8192, compile, selective AC": (EIGHT_B, True, "selective"),
+}
+
+
+def table_run(device, model: list[str], compile: bool, checkpointing: str) -> tuple[list[dict], float | None]:
+    """One run of the table: its records and the plan's predicted peak of tensors (GiB). On the CPU, at
+    tiny sizes and without compile (the code path, not the figures)."""
+    if device.type == "cuda":
+        overrides = [*model, "device=cuda", "training.steps=30", "training.warmup_steps=5",
+                     "training.mixed_precision.param_dtype=bfloat16", f"training.compile={str(compile).lower()}"]
+    else:
+        overrides = ["model=llama_debug", "+smoke=cpu", "training.steps=3", "training.seq_len=64",
+                     "training.global_batch_size=2"]
+    with tempfile.TemporaryDirectory() as out:
+        records = train([*overrides, f"training.activation_checkpoint={checkpointing}"], out)
+        planned = re.search(r"plan: predicted peak ([\d.]+) GiB", (Path(out) / "console.log").read_text())
+    return records, float(planned.group(1)) if planned else None
+
+
+def print_table(device) -> None:
+    print("| run | tokens/s | MFU | peak reserved GiB | peak tensors GiB | plan's tensors GiB |")
+    print("|---|---|---|---|---|---|")
+    for name, (model, compile, checkpointing) in TABLE.items():
+        try:
+            records, planned = table_run(device, model, compile, checkpointing)
+        except Exception as e:  # a run that fails is a row that says so; the others still run
+            print(f"| {name} | failed: {type(e).__name__}: {e} | | | | |", flush=True)
+            continue
+        steady = records[10:] or records
+        mfu = median_mfu(records, 10)
+        print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in steady):,.0f} | "
+              f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {max(r['mem_gib'] for r in records):.1f} | "
+              f"{max(r['mem_tensor_gib'] or 0 for r in records):.1f} | "
+              f"{'n/a' if planned is None else f'{planned:.1f}'} |", flush=True)
+
+
 CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, check_llama_run, check_mixtral_run,
           check_checkpoint_resume]
 
@@ -232,6 +281,7 @@ CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, check_ll
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run the CPU-runnable checks even with a GPU present")
+    parser.add_argument("--table", action="store_true", help="then the side-by-side runs, as a table")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
@@ -248,6 +298,8 @@ def main() -> None:
         failed += status == "FAIL"
         print(f"{status} {check.__name__[len('check_'):]}: {detail}", flush=True)
     print(f"{len(CHECKS) - failed} of {len(CHECKS)} checks passed")
+    if args.table:
+        print_table(device)
     sys.exit(1 if failed else 0)
 
 

@@ -1,5 +1,5 @@
-"""scripts/gpu_check.py's CPU-runnable checks: every line passes here, so that on a lent GPU a FAIL
-points at the CUDA path and not at the script."""
+"""scripts/gpu_check.py's CPU-runnable checks and its table: every line passes here, so that on a lent
+GPU a FAIL points at the CUDA path and not at the script."""
 
 import os
 import subprocess
@@ -12,11 +12,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.multiprocess
-def test_gpu_check_runs_its_cpu_checks():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--cpu"], cwd=REPO,
-                            capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_gpu_check_runs_its_cpu_checks_and_its_table():
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--cpu", "--table"], cwd=REPO,
+                            capture_output=True, text=True, timeout=500, env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = result.stdout.splitlines()
     assert lines[0].startswith("no GPU: the CUDA checks are skipped"), result.stdout + result.stderr
     checks = [line for line in lines if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert len(checks) == 6 and all(line.startswith("PASS") for line in checks), result.stdout + result.stderr
     assert result.returncode == 0
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| run ")]
+    assert len(rows) == 5 and not any("failed" in row for row in rows), result.stdout
+    assert all(row.split(" | ")[1].replace(",", "").isdigit() for row in rows), result.stdout

@@ -100,13 +100,17 @@ def test_bad_input_is_one_line(args, message, capsys):
 
 @pytest.mark.multiprocess
 def test_train_refuses_a_job_that_will_not_fit():
-    """Llama 3 8B without the debug model on this machine: stopped before any allocation."""
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, "train.py", "+recipe=llama_fsdp", "device=cpu"], cwd=REPO, env=ENV,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and time.perf_counter() - start < 60
-    assert result.stderr.startswith("config error: plan: the job needs") and "plan.check=false" in result.stderr
-    assert "largest term: activations" in result.stderr
+    """Llama 3 8B without the debug model on this machine: stopped before any allocation, with the
+    advice that fits the largest term (its optimizer state; without checkpointing, its activations)."""
+    for extra, largest, advice in (([], "optimizer", "shard over more ranks"),
+                                   (["training.activation_checkpoint=none"], "activations",
+                                    "set training.activation_checkpoint=selective or full")):
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "train.py", "+recipe=llama_fsdp", "device=cpu", *extra], cwd=REPO,
+                                env=ENV, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and time.perf_counter() - start < 60
+        assert result.stderr.startswith("config error: plan: the job needs") and "plan.check=false" in result.stderr
+        assert f"largest term: {largest}" in result.stderr and advice in result.stderr, result.stderr
 
 
 # Layouts measured against the plan: debug models made wide enough that tensors dominate.

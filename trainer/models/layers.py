@@ -19,6 +19,8 @@ class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm (same parameter, same forward), saving its input and a scale per token."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:  # no affine weight: nothing of ours to save
+            return super().forward(x)
         eps = torch.finfo(torch.float32).eps if self.eps is None else self.eps
         return _RMSNorm.apply(x, self.weight, eps)
 
