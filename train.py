@@ -1,7 +1,9 @@
 """Entry point: `torchrun --nproc_per_node=N train.py +recipe=NAME [overrides]` (see README)."""
 
 import os
+import signal
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig
@@ -13,11 +15,20 @@ from trainer.overrides import check_overrides
 register_configs()
 
 
+SPEAK_AFTER_S = 3  # how long a node's other ranks wait for its first rank to report an error
+
+
 def config_error(e: ConfigError) -> None:
-    # Every rank finds the same error: the first of each node says it, so a user reads it once.
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        sys.stderr.write(f"config error: {e}\n")
-        sys.stderr.flush()
+    # Most errors every rank finds: the first of each node says it at once, and the launcher stops
+    # the others while they wait, so a user reads it once. An error only this rank found (its data
+    # shard, say) it says itself once the wait is over. Exiting before the first rank has spoken
+    # would let the launcher kill that rank first, and nobody would say anything.
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher's stop, or a Ctrl-C, ends the wait quietly
+            signal.signal(sig, signal.SIG_DFL)
+        time.sleep(SPEAK_AFTER_S)
+    sys.stderr.write(f"config error: {e}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 

@@ -401,3 +401,21 @@ def test_real_text_validation_loss_falls_well_below_the_unigram_entropy(tmp_path
 def test_data_config_errors(ranks, overrides, message, tmp_path):
     result = launch(ranks, "model=llama_debug", "+smoke=cpu", *overrides, output_dir=tmp_path)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_an_error_only_one_rank_finds_is_still_said(tmp_path):
+    """Rank 1's shard of this stream (its odd rows) is all validation documents, rank 0's is not:
+    only rank 1 finds the error, and the first rank, which says the errors every rank finds, has
+    none to say, so rank 1 says it itself."""
+    long = " ".join(sentence(random.Random(1)) for _ in range(400))  # more than the validation windows
+    assert len(long) > 32 * STREAM_VAL_WINDOWS
+    (tmp_path / "hub").mkdir()
+    rows = ["a short first document", long, "a document rank 0 trains on"]
+    (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    result = launch(2, "model=llama_debug", "+smoke=cpu", "data.source=hub", f"data.path={tmp_path}/hub",
+                    "training.seq_len=32", "training.global_batch_size=2", output_dir=tmp_path / "run", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("config error:") == 1, result.stderr[-2000:]
+    assert "holds no documents for data-parallel rank 1 of 2 once the validation windows' documents are held out" \
+        in result.stderr, result.stderr[-2000:]
