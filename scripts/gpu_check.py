@@ -233,16 +233,22 @@ def check_checkpoint_resume(device, args) -> tuple[str, str]:
 # layers (8 of them), 1 x 8192 tokens. Median of the steps after the first 10 of 30.
 ONE_B = ["model=llama3_1b", "model.tie_embeddings=false", "training.seq_len=4096", "training.global_batch_size=4"]
 EIGHT_B = ["model=llama3_8b", "model.n_layers=8", "training.seq_len=8192", "training.global_batch_size=1"]
+FLOAT8 = ["training.float8.enabled=true"]  # tensorwise, torchtitan's float8 rows
 TABLE = {
-    "1B shape, compile, no AC": (ONE_B, True, "none"),
-    "1B shape, compile, selective AC": (ONE_B, True, "selective"),
-    "1B shape, compile, full AC": (ONE_B, True, "full"),
-    "1B shape, eager, no AC": (ONE_B, False, "none"),
-    "8B layers, 1 x 8192, compile, selective AC": (EIGHT_B, True, "selective"),
+    "1B shape, compile, no AC": (ONE_B, True, "none", []),
+    "1B shape, compile, selective AC": (ONE_B, True, "selective", []),
+    "1B shape, compile, full AC": (ONE_B, True, "full", []),
+    "1B shape, eager, no AC": (ONE_B, False, "none", []),
+    "8B layers, 1 x 8192, compile, selective AC": (EIGHT_B, True, "selective", []),
+    "1B shape, compile, selective AC, float8 tensorwise": (ONE_B, True, "selective", FLOAT8),
+    "1B shape, compile, selective AC, float8 rowwise": (ONE_B, True, "selective",
+                                                        [*FLOAT8, "training.float8.recipe=rowwise"]),
+    "8B layers, 1 x 8192, compile, selective AC, float8 tensorwise": (EIGHT_B, True, "selective", FLOAT8),
 }
 
 
-def table_run(device, model: list[str], compile: bool, checkpointing: str) -> tuple[list[dict], float | None]:
+def table_run(device, model: list[str], compile: bool, checkpointing: str,
+              extra: list[str]) -> tuple[list[dict], float | None]:
     """One run of the table: its records and the plan's predicted peak of tensors (GiB). On the CPU, at
     tiny sizes and without compile (the code path, not the figures)."""
     if device.type == "cuda":
@@ -252,7 +258,7 @@ def table_run(device, model: list[str], compile: bool, checkpointing: str) -> tu
         overrides = ["model=llama_debug", "+smoke=cpu", "training.steps=3", "training.seq_len=64",
                      "training.global_batch_size=2"]
     with tempfile.TemporaryDirectory() as out:
-        records = train([*overrides, f"training.activation_checkpoint={checkpointing}"], out)
+        records = train([*overrides, f"training.activation_checkpoint={checkpointing}", *extra], out)
         planned = re.search(r"plan: predicted peak ([\d.]+) GiB", (Path(out) / "console.log").read_text())
     return records, float(planned.group(1)) if planned else None
 
@@ -260,9 +266,9 @@ def table_run(device, model: list[str], compile: bool, checkpointing: str) -> tu
 def print_table(device) -> None:
     print("| run | tokens/s | MFU | peak reserved GiB | peak tensors GiB | plan's tensors GiB |")
     print("|---|---|---|---|---|---|")
-    for name, (model, compile, checkpointing) in TABLE.items():
+    for name, (model, compile, checkpointing, extra) in TABLE.items():
         try:
-            records, planned = table_run(device, model, compile, checkpointing)
+            records, planned = table_run(device, model, compile, checkpointing, extra)
         except Exception as e:  # a run that fails is a row that says so; the others still run
             print(f"| {name} | failed: {type(e).__name__}: {e} | | | | |", flush=True)
             continue

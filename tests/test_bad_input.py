@@ -105,6 +105,12 @@ MISTAKES = {
     "parquet that is not": (lambda p: ["data.source=parquet", f"data.path={_text_file(p, 'a.parquet')}"],
                             r"a.parquet is not a parquet file"),
     "missing resume path": (lambda p: [f"checkpoint.resume={p}/none"], r"checkpoint.resume=.*none is not a directory"),
+    "unknown float8 recipe": (lambda p: ["training.float8.enabled=true", "training.float8.recipe=fast"],
+                              r"training.float8.recipe=fast must be one of \['tensorwise', 'rowwise', "),
+    "float8 layer it cannot take": (lambda p: ["training.float8.enabled=true", "training.float8.skip_unaligned=false",
+                                               "model.ffn_dim=200"],
+                                    r"training.float8: layers.\*.feed_forward.w1, layers.\*.feed_forward.w3, "
+                                    r"layers.\*.feed_forward.w2 have dimensions float8 matmuls cannot take"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }

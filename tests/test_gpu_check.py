@@ -21,5 +21,5 @@ def test_gpu_check_runs_its_cpu_checks_and_its_table():
     assert len(checks) == 6 and all(line.startswith("PASS") for line in checks), result.stdout + result.stderr
     assert result.returncode == 0
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| run ")]
-    assert len(rows) == 5 and not any("failed" in row for row in rows), result.stdout
+    assert len(rows) == 8 and not any("failed" in row for row in rows), result.stdout
     assert all(row.split(" | ")[1].replace(",", "").isdigit() for row in rows), result.stdout

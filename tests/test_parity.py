@@ -139,9 +139,10 @@ def check_against(reference: list[dict], records: list[dict], layout: str, rtol:
                   nan_at: int | None = None):
     losses, expected = [r["loss"] for r in records], [r["loss"] for r in reference]
     difference = max_relative_difference(losses, expected)
-    print(f"{layout}: max relative loss difference {difference:.2e}")
-    assert difference <= rtol, f"{layout} losses {losses} drift from the 1-rank run {expected}"
     norms, expected_norms = [r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]
+    norm_difference = max_relative_difference(norms, expected_norms) if nan_at is None else math.nan
+    print(f"{layout}: max relative loss difference {difference:.2e}, gradient norm {norm_difference:.2e}")
+    assert difference <= rtol, f"{layout} losses {losses} drift from the 1-rank run {expected}"
     if nan_at is not None:  # a step whose gradient norm was made NaN on purpose
         assert math.isnan(norms[nan_at - 1]) and math.isnan(expected_norms[nan_at - 1])
         norms[nan_at - 1] = expected_norms[nan_at - 1] = 1.0

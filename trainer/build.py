@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.config import JobConfig, ModelConfig
+from trainer.config import Float8Config, JobConfig, ModelConfig
+from trainer.float8 import convert as convert_float8
+from trainer.float8 import gathers_in_float8
 from trainer.models import build_model, family, init_weights, materialize
 from trainer.models.attention import attend_within_documents
 from trainer.models.head import set_loss_chunk
@@ -34,15 +36,21 @@ class BuildOptions:
     seed: int = 0
     aux_loss_scale: float = 1.0  # the MoE auxiliary losses' gradient scale (see set_aux_loss_scale)
     loss_chunk_tokens: int | None = 512  # tokens per chunk of the output head and its loss (LMHead)
+    float8: Float8Config | None = None  # the linear layers in float8 (None: not)
 
 
 def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str) -> BuildOptions:
     t, p = job.training, job.parallel
+    float8 = t.float8 if t.float8.enabled else None
     parallel = ParallelOptions(
         param_dtype=param_dtype(t.mixed_precision, device), reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
         activation_checkpoint=t.activation_checkpoint, activation_checkpoint_every=t.activation_checkpoint_every,
         selective_policy=t.selective_policy,
         compile=t.compile, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
+        float8_all_gather=gathers_in_float8(float8),
+        # gloo has no float8 types: tensor parallel gathers in high precision there, unless it gathers
+        # nothing (no sequence parallel). The bits are the same; only the bytes moved differ.
+        float8_tp=gathers_in_float8(float8) and (torch.device(device).type == "cuda" or not p.sequence_parallel),
     )
     # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit. Under
     # tensor parallel each tp rank's router sees its slice of the sequence and the router's gradients
@@ -50,7 +58,7 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
     aux_loss_scale = 1 / (dims.grad_accum_steps * dims.pp_microbatches * dims.tp)
     return BuildOptions(model=job.model, parallel=parallel, stage_modules=stage_modules(job, dims),
                         pp_schedule=p.pp_schedule, document_mask=job.data.document_mask, seed=t.seed,
-                        aux_loss_scale=aux_loss_scale, loss_chunk_tokens=t.loss_chunk_tokens)
+                        aux_loss_scale=aux_loss_scale, loss_chunk_tokens=t.loss_chunk_tokens, float8=float8)
 
 
 def stage_modules(job: JobConfig, dims: ParallelDims) -> list[list[str]]:
@@ -74,6 +82,8 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str], de
     if options.document_mask:
         attend_within_documents(part)
     keep_modules(part, spec.pipeline_units(options.model.n_layers), modules)
+    if options.float8 is not None:
+        convert_float8(part, options.float8)
     parallelize(part, spec, dims, options.parallel)
     if torch.device(device).type != "meta":
         materialize(part, device)
@@ -96,6 +106,7 @@ def one_block(options: BuildOptions, modules: list[str]) -> tuple[BuildOptions, 
     spec = family(options.model.family)
     kept = [spec.block_name(0), *(name for name in modules if not spec.is_block(name))]
     parallel = dataclasses.replace(options.parallel, activation_checkpoint="none", compile=False,
-                                   param_dtype=torch.float32, reduce_dtype=torch.float32)
+                                   param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                   float8_all_gather=False, float8_tp=False)
     model = dataclasses.replace(options.model, n_layers=1)
-    return dataclasses.replace(options, model=model, parallel=parallel, stage_modules=[kept]), kept
+    return dataclasses.replace(options, model=model, parallel=parallel, stage_modules=[kept], float8=None), kept

@@ -100,6 +100,20 @@ class SpikeConfig:
 
 
 @dataclass
+class Float8Config:
+    """float8 linear layers through torchao (pip install -e ".[float8]")."""
+
+    enabled: bool = False
+    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp (torchao's recipes)
+    emulate: bool = False  # float8 casts with high-precision matmuls (a GPU before sm_89, or checking numerics)
+    # Module names (fnmatch patterns) whose linear layers stay in high precision; the output head always does.
+    skip: List[str] = field(default_factory=lambda: ["*.router"])
+    # Layers with a dimension that is not a multiple of 16 stay in high precision (named at start-up);
+    # false: a config error names them.
+    skip_unaligned: bool = True
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 1000
     seq_len: int = 2048
@@ -114,6 +128,7 @@ class TrainingConfig:
     max_norm: float = 1.0
     seed: int = 0
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     compile: bool = False
     # On the CPU, large freed blocks stay in the process for reuse (see trainer/allocator.py).
     cpu_reuse_memory: bool = True

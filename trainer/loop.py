@@ -21,6 +21,8 @@ from trainer.data import BatchLoader, Prefetcher
 from trainer.data.microbatches import StepMicrobatches
 from trainer.distributed import restart_count
 from trainer.faults import Faults
+from trainer.float8 import describe as describe_float8
+from trainer.float8 import gathers_in_float8, precompute_scales
 from trainer.guards import StepGuard, check_finite
 from trainer.memory import COUNTED_STEPS, TensorMemory, peak_memory_gib, peak_tensor_gib
 from trainer.metrics import MetricsLogger, MoEStats, Throughput, flops_per_token, peak_tflops
@@ -51,6 +53,10 @@ class Trainer:
         self.parts, stages = build_model_parts(build_options(job, dims, device), dims, device)
         self.model = nn.ModuleList(self.parts)
         self.param_mib = self._describe_model()
+        f8 = t.float8 if t.float8.enabled else None
+        if f8 is not None:
+            self.log(describe_float8(self.parts, f8))
+        self.float8_scales = gathers_in_float8(f8)
         self.step_fn, self.eval_fn = make_step_fns(job, dims, device, self.parts, stages, watchdog.phase)
         self.optimizer = build_optimizer(self.model, job.optim, t.lr, t.weight_decay)
         self.state = TrainState(self.parts, self.optimizer)
@@ -119,6 +125,8 @@ class Trainer:
         step = self.step
         self.watchdog.phase("forward")
         self.faults.before_forward(step)
+        if self.float8_scales:
+            precompute_scales(self.parts)
         loss = self.step_fn(microbatches)
         self.faults.after_backward(step, self.model.parameters())
         self.watchdog.phase("optimizer")

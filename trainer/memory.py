@@ -15,8 +15,7 @@ import resource
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 GIB = 2**30
@@ -46,8 +45,11 @@ class TensorMemory(TorchDispatchMode):
         self.peak = self.live
 
     def _count(self, t: torch.Tensor) -> None:
-        if isinstance(t, DTensor):
-            t = t.to_local()
+        if is_traceable_wrapper_subclass(t):  # a DTensor, a float8 tensor: the tensors inside hold the bytes
+            for inner in (getattr(t, name) for name in t.__tensor_flatten__()[0]):
+                if isinstance(inner, torch.Tensor):
+                    self._count(inner)
+            return
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()

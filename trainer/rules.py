@@ -20,7 +20,8 @@ from trainer.checkpoint.files import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.errors import ConfigError
-from trainer.models import family
+from trainer.float8 import check_float8, check_float8_layers
+from trainer.models import build_model, family
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
@@ -52,6 +53,8 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
                           f"each tp rank routes its own slice of the sequence")
     check_training(job.training, dims)
     check_precision_and_compile(job.training, job.device)
+    if job.training.float8.enabled and not job.training.float8.skip_unaligned:
+        check_float8_layers(build_model(job.model, device="meta"), job.training.float8)
     schedule = job.parallel.pp_schedule
     if job.training.activation_checkpoint == "selective" and dims.pp_enabled and schedule in ZERO_BUBBLE:
         # torch (2.13) frees what selective checkpointing saved at a block's first backward; these
@@ -149,6 +152,7 @@ def check_precision_and_compile(t, device: str) -> None:
     if t.compile and (missing := compile_missing(device)):
         raise ConfigError(f"training.compile=true cannot compile on {device} here: {missing}; "
                           f"use training.compile=false")
+    check_float8(t.float8, device, t.compile)
 
 
 def compile_missing(device: str) -> str | None:

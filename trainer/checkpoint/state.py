@@ -30,6 +30,7 @@ from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
+from trainer.float8 import plain
 from trainer.models import model_config
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -51,7 +52,7 @@ class TrainState:
 
     def model_state(self) -> tuple[dict, dict]:
         live = get_model_state_dict(self.model)
-        return live, {_whole_name(k, 0): v for k, v in live.items()}
+        return live, {_whole_name(k, 0): plain(v) for k, v in live.items()}
 
     def optimizer_state(self) -> tuple[dict, dict]:
         # Flattened: one key per (parameter, state) pair. The param groups' hyperparameters are

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from trainer.float8 import float8_tp_plan, gather_bytes_over_gloo
 from trainer.models.spec import ModelSpec
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from trainer.parallel.context_parallel import apply_cp
@@ -31,13 +33,16 @@ class ParallelOptions:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     cp_method: str = "ring"
+    float8_all_gather: bool = False  # FSDP gathers the float8 layers' weights in float8
+    float8_tp: bool = False  # tensor parallel casts the float8 layers' inputs before it gathers them
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: ParallelOptions) -> None:
     blocks = spec.block_modules(model)
     embedding = spec.part(model, spec.embedding)
     if dims.tp_enabled:
-        apply_tp(model, dims.view("tp"), spec.tp_plan(options.sequence_parallel, options.loss_parallel))
+        plan = spec.tp_plan(options.sequence_parallel, options.loss_parallel)
+        apply_tp(model, dims.view("tp"), float8_tp_plan(model, plan) if options.float8_tp else plan)
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), options.cp_method)
     parallelize_moe(model, dims)
@@ -58,3 +63,5 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     apply_fsdp(model, list(blocks.values()), embedding, spec.head_modules(model), dims.fsdp_mesh,
                options.param_dtype, options.reduce_dtype, pipelined=dims.pp_enabled,
                expert_mesh=dims.expert_fsdp_mesh if dims.ep_enabled else None)
+    if options.float8_all_gather and dist.get_backend() == "gloo":
+        gather_bytes_over_gloo(model)

@@ -22,8 +22,9 @@ MODES = ("none", "full", "selective")
 POLICIES = ("half_mm", "ops")
 
 _aten = torch.ops.aten
+MATMULS = (_aten.mm.default, _aten._scaled_mm.default)  # (the second: float8's)
 SAVED_OPS = {
-    _aten.mm.default,
+    *MATMULS,
     _aten.addmm.default,
     _aten._grouped_mm.default,
     _aten._scaled_dot_product_flash_attention.default,
@@ -45,7 +46,7 @@ def _half_mm_contexts():
     seen = {False: 0, True: 0}  # matmuls met in forward, and in the recompute
 
     def keep(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op is _aten.mm.default:
+        if op in MATMULS:
             seen[ctx.is_recompute] += 1
             if seen[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE

@@ -104,6 +104,24 @@ def _advice(term: str) -> str:
     return "raise parallel.tp or parallel.pp, or shard over more ranks"
 
 
+# What float8 GEMMs sustain of their peak, relative to what bf16 GEMMs sustain of theirs: the casts,
+# the scales' reductions and the layouts _scaled_mm needs. From torchtitan's float8 tensorwise runs on
+# one H100 (1.12x its bf16 tokens/s at the Llama 3.2 1B shape, 1.18x at Llama 3 8B's layers), where
+# the linear layers are about 80% of the FLOPs: 1 / (0.2 + 0.8 / (2 x 0.6)) = 1.15x.
+FLOAT8_EFFICIENCY = 0.6
+
+
+def float8_share(m) -> float:
+    """The share of a block's parameters in linear layers float8 converts: all but the experts'
+    (grouped GEMMs, left in the compute dtype) and the router's."""
+    head_dim = m.dim // m.n_heads
+    attention = 2 * m.dim * head_dim * (m.n_heads + m.n_kv_heads)
+    ffn = 3 * m.dim * m.ffn_dim
+    if not m.n_experts:
+        return 1.0
+    return attention / (attention + m.n_experts * ffn + m.dim * m.n_experts)
+
+
 def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: float = 1.0) -> Plan:
     """The plan of `job` laid out as `dims` on `device`s (run `check_job` first). `expert_load`: the
     slots the experts of the planned rank take, over an even share (a measured expert_load_ep)."""
@@ -120,6 +138,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         loss_chunk=t.loss_chunk_tokens,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
+    f8 = t.float8.recipe if t.float8.enabled else None
     # Full checkpointing applies to every Nth block: the share of blocks it recomputes.
     share = -(-m.n_layers // t.activation_checkpoint_every) / m.n_layers if t.activation_checkpoint == "full" else 0.0
     n_stages = dims.pp * dims.pp_stages_per_rank
@@ -133,6 +152,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
             n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
             param_bytes=act_bytes,
             has_loss=any(s.stage == n_stages - 1 for s in stages), selective_policy=t.selective_policy,
+            float8=f8, float8_share=float8_share(m),
         ))
 
     flops = flops_per_token(m, t.seq_len)
@@ -142,9 +162,9 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     # checkpointing recomputes element-wise work, not counted in the FLOPs, and under half_mm some
     # matmuls.
     extra = (2 if schedule in ZERO_BUBBLE else 1) * share
+    blocks_matmul = flops - 12 * m.n_layers * m.dim * t.seq_len - 6 * m.dim * m.vocab_size
     if t.activation_checkpoint == "selective" and t.selective_policy == "half_mm":
         # Every second matmul of a block runs again: about half of the blocks' matmul forward.
-        blocks_matmul = flops - 12 * m.n_layers * m.dim * t.seq_len - 6 * m.dim * m.vocab_size
         extra += 0.5 * blocks_matmul / flops
     flops_per_rank = flops * tokens_per_step / dims.world_size * (3 + extra) / 3
     # The busiest pipeline rank sets the pace.
@@ -153,9 +173,15 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     head = m.dim // m.n_heads
     stream = shapes.tokens * m.dim * act_bytes
     peak_tflops = device.peak_tflops(dtype)
+    compute_tflops = peak_tflops
+    if f8 is not None and not t.float8.emulate and device.fp8_tflops:
+        # The blocks' linear layers at the float8 rate, the rest (attention's scores, the head) not.
+        in_float8 = float8_share(m) * blocks_matmul / flops
+        compute_tflops = 1 / ((1 - in_float8) / peak_tflops + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
+    gathered_per_element = act_bytes - (act_bytes - 1) * float8_share(m) * (f8 == "tensorwise")
     timing = step_time(
-        flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=peak_tflops, dims=dims,
-        gathered_bytes=sum(u.gathered for u in units) * act_bytes,
+        flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
+        gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,
         grad_bytes=sum(u.gathered for u in units) * FP32,
         sharded_grad_bytes=sum(u.sharded for u in units) * FP32,
         act_stream_bytes=stream, kv_bytes=2 * shapes.tokens * m.n_kv_heads * head // dims.tp * act_bytes,

@@ -29,6 +29,7 @@ class Device:
     inter_gbps: float  # GB/s one way per device across nodes (InfiniBand / RoCE)
     per_node: int  # devices per node
     link_efficiency: float = 0.7  # share of the nominal link rates a ring collective sustains
+    fp8_tflops: float = 0.0  # dense float8 peak (0: no float8 matmuls; the CPU's are not timed)
 
     def peak_tflops(self, dtype: torch.dtype) -> float:
         return self.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_tflops
@@ -37,11 +38,14 @@ class Device:
 # Memory is what CUDA reports as total for one device, less about 1.5 GiB the context takes.
 DEVICES = {
     # H100 SXM 80GB, NVLink 4, 400 Gb/s NIC per GPU
-    "h100": Device("h100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA H100 80GB HBM3"], 494.0, 450.0, 50.0, 8),
-    "h200": Device("h200", 138.0, CUDA_PEAK_TFLOPS["NVIDIA H200"], 494.0, 450.0, 50.0, 8),  # H200 SXM 141GB
+    "h100": Device("h100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA H100 80GB HBM3"], 494.0, 450.0, 50.0, 8,
+                   fp8_tflops=1979.0),
+    "h200": Device("h200", 138.0, CUDA_PEAK_TFLOPS["NVIDIA H200"], 494.0, 450.0, 50.0, 8,
+                   fp8_tflops=1979.0),  # H200 SXM 141GB
     # A100 SXM 80GB, NVLink 3, 200 Gb/s NIC
     "a100": Device("a100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA A100-SXM4-80GB"], 156.0, 300.0, 25.0, 8),
-    "b200": Device("b200", 178.0, CUDA_PEAK_TFLOPS["NVIDIA B200"], 1125.0, 900.0, 50.0, 8),  # B200 180GB, NVLink 5
+    "b200": Device("b200", 178.0, CUDA_PEAK_TFLOPS["NVIDIA B200"], 1125.0, 900.0, 50.0, 8,
+                   fp8_tflops=4500.0),  # B200 180GB, NVLink 5
 }
 
 

@@ -86,21 +86,29 @@ def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank
 
 def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
-                param_bytes: int, has_loss: bool, selective_policy: str = "half_mm") -> RankMemory:
+                param_bytes: int, has_loss: bool, selective_policy: str = "half_mm",
+                float8: str | None = None, float8_share: float = 0.0) -> RankMemory:
+    """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
+    float8 linear layers (the experts' grouped GEMMs are not)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     params = sharded * FP32
     grads = sharded * FP32
     optimizer = 2 * sharded * FP32
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
+    edges = ("embedding", "head", "root")
+    in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0 for u in units}
+    # Gathered bytes per element: tensorwise float8 gathers the float8 layers' weights in float8 (1 byte).
+    per_element = {u.name: param_bytes - (param_bytes - 1) * in_float8[u.name] * (float8 == "tensorwise")
+                   for u in units}
     if schedule is not None:
         # Under pipeline parallel a stage keeps its parameters gathered from forward to backward.
-        gathered = sum(u.gathered for u in units) * param_bytes
+        gathered = sum(u.gathered * per_element[u.name] for u in units)
     else:
         # At the start of backward: the head (and a root holding tied weights) stays gathered, and a
         # block computes while the next is gathered. The embedding was resharded after forward.
-        kept = sum(u.gathered for u in units if u.name in ("head", "root"))
-        blocks = [u.gathered for u in units if u.name not in ("embedding", "head", "root")]
-        gathered = (kept + sum(blocks[:2])) * param_bytes
+        kept = sum(u.gathered * per_element[u.name] for u in units if u.name in ("head", "root"))
+        blocks = [u.gathered * per_element[u.name] for u in units if u.name not in edges]
+        gathered = kept + sum(blocks[:2])
 
     layers = sum(stage.layers for stage in stages)
     per_layer = spec.activation_bytes(s)
@@ -134,6 +142,10 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
     buffers = 2 * largest_unit * FP32
     if activation_checkpoint == "none":
         buffers = max(0.0, buffers - per_layer)
+    if float8 is not None:
+        # The float8 copies of the computing unit's weights (gathered in high precision, then cast;
+        # under tensorwise a transposed copy for backward), one byte an element.
+        buffers += max((u.gathered * in_float8[u.name] for u in units), default=0)
     if schedule is not None:
         # Stage inputs received and their gradients, for each stage-microbatch in flight; the first
         # stage's input is token ids.
