@@ -8,7 +8,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from trainer.config import CONFIG_DIR, register_configs
+from trainer.config_files import CONFIG_DIR, register_configs
 from trainer.errors import ConfigError
 from trainer.overrides import check_overrides
 

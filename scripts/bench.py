@@ -63,7 +63,7 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
 
     from trainer import build_model
     from trainer.allocator import reuse_freed_memory
-    from trainer.config import CONFIG_DIR, register_configs
+    from trainer.config_files import CONFIG_DIR, register_configs
     from trainer.hardware import measure_cpu_tflops
     from trainer.memory import peak_memory_gib
     from trainer.metrics import flops_per_token

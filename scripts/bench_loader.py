@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainer.config import CONFIG_DIR, register_configs  # noqa: E402
+from trainer.config_files import CONFIG_DIR, register_configs  # noqa: E402
 from trainer.data import BatchLoader, build_dataset  # noqa: E402
 
 

@@ -8,7 +8,7 @@ from helpers import ENV, REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer.config import CONFIG_DIR, RECIPE_DIR, register_configs
+from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.errors import ConfigError
 from trainer.overrides import check_overrides
 

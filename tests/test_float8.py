@@ -27,7 +27,7 @@ KERNEL = ("training.float8.emulate=false",)  # torch's _scaled_mm: the GPU's pat
 # ranks or pipeline microbatches take); context parallel splits the sequence, which no one-process
 # run does, and has a tolerance of its own. Measured (Zen 4, torch 2.13, torchao 0.18): losses within
 # 2.0e-4 (fsdp2, pp2) to 7.9e-4 (tp2 with fsdp2), gradient norms within 9.4e-4 (fsdp2) to 1.3e-2 (tp2:
-# e5m2 gradients keep two mantissa bits); context parallel 1.7e-3 and 2.7e-2.
+# e5m2 gradients keep two mantissa bits); context parallel 1.7e-3 and 1.5e-2 (2.7e-2 allgather, emulated).
 FLOAT8_RTOL = 2e-3
 FLOAT8_GRAD_NORM_RTOL = 3e-2
 CP_RTOL, CP_GRAD_NORM_RTOL = 5e-3, 6e-2
@@ -38,14 +38,12 @@ ROWWISE = ("training.float8.recipe=rowwise",)
 # name -> (ranks, recipe and overrides, the one-process reference's overrides)
 FLOAT8_LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"], ACCUM2),
-    "tp2": (2, ["+recipe=llama_tp2"], ()),
     "tp2_rowwise": (2, ["+recipe=llama_tp2", *ROWWISE], ROWWISE),
     "tp2_no_sp_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2", "parallel.sequence_parallel=false"], ACCUM2),
     "pp2_ac_selective_compile": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.activation_checkpoint=selective",
                                      "training.compile=true"], ACCUM2),
-    "cp2_allgather_ac_full": (2, ["+recipe=llama_cp2", "parallel.cp_method=allgather",
-                                  "training.activation_checkpoint=full"], ()),
-    "cp2_ring_kernel": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring", *KERNEL], KERNEL),
+    "cp2_ring_ac_full_kernel": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
+                                    "training.activation_checkpoint=full", *KERNEL], KERNEL),
 }
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainer import build_model
-from trainer.config import load_model_config
+from trainer.config_files import load_model_config
 from trainer.hardware import cuda_peak_tflops
 from trainer.metrics import flops_per_token, format_record, peak_tflops
 

@@ -15,7 +15,7 @@ from helpers import ENV, REPO, train_metrics
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer.config import CONFIG_DIR, RECIPE_DIR, register_configs
+from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.plan import GIB, make_plan
 from trainer.plan.devices import local_device, measure_cpu
 from trainer.rules import check_job

@@ -103,7 +103,8 @@ def test_precision_and_compile_rules_are_config_errors(monkeypatch):
 def test_mixture_of_experts_rules_are_config_errors():
     import pytest
 
-    from trainer.config import JobConfig, load_model_config
+    from trainer.config import JobConfig
+    from trainer.config_files import load_model_config
     from trainer.errors import ConfigError
     from trainer.rules import check_job
 

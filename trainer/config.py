@@ -1,23 +1,12 @@
-"""The configuration schema and its registration with Hydra.
-
-The dataclasses are registered in Hydra's ConfigStore as the base of the primary config, so a
-misspelt key or a value of the wrong type fails at composition time, naming the key.
-"""
+"""The configuration schema: every key, its type and default (registered with Hydra by
+trainer/config_files.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
-
 from trainer.errors import ConfigError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO_ROOT / "configs"
-RECIPE_DIR = REPO_ROOT / "recipes"
 
 
 @dataclass
@@ -285,38 +274,3 @@ class JobConfig:
     checkpoint: Dict[str, Any] = field(default_factory=checkpoint_keys)
     # Python modules every rank imports first: model families defined outside trainer/ register there.
     imports: List[str] = field(default_factory=list)
-
-
-def register_configs() -> None:
-    """Registers the schema and the recipes with Hydra.
-
-    Recipes live in the top-level `recipes/` folder but are selected as the group
-    `recipe` (`+recipe=NAME`), so each file is stored in the ConfigStore under that group.
-    """
-    if not OmegaConf.has_resolver("recipe_name"):
-        OmegaConf.register_new_resolver("recipe_name", _recipe_name)
-    cs = ConfigStore.instance()
-    cs.store(name="job_schema", node=JobConfig)
-    for path in sorted(RECIPE_DIR.glob("*.yaml")):
-        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
-
-
-def _recipe_name() -> str:
-    """The recipe chosen with +recipe=NAME, the default run name; "default" without one."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return "default"
-    return HydraConfig.get().runtime.choices.get("recipe") or "default"
-
-
-def load_model_config(name: str) -> ModelConfig:
-    """The model config named `name` (a file in configs/model/), checked against the schema."""
-    path = CONFIG_DIR / "model" / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ConfigError(f"model={name} is not a known model; choose one of {known}")
-    node = OmegaConf.load(path)
-    node.pop("defaults", None)
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), node)
-    return OmegaConf.to_object(merged)

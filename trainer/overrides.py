@@ -9,7 +9,8 @@ import dataclasses
 import difflib
 import typing
 
-from trainer.config import CONFIG_DIR, RECIPE_DIR, JobConfig, checkpoint_keys, register_configs
+from trainer.config import JobConfig, checkpoint_keys
+from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.errors import ConfigError
 
 GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")

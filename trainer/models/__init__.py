@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.config import ModelConfig, load_model_config
+from trainer.config import ModelConfig
+from trainer.config_files import load_model_config
 from trainer.errors import ConfigError
 from trainer.models.spec import ModelSpec, families, family, register_family
 from trainer.tensors import local_tensor
