@@ -15,7 +15,7 @@ from torch import nn
 
 from trainer.config import Float8Config, JobConfig, ModelConfig
 from trainer.float8 import convert as convert_float8
-from trainer.float8 import gathers_in_float8
+from trainer.float8 import float8_of, gathers_in_float8
 from trainer.models import build_model, family, init_weights, materialize
 from trainer.models.attention import attend_within_documents
 from trainer.models.head import set_loss_chunk
@@ -41,7 +41,7 @@ class BuildOptions:
 
 def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str) -> BuildOptions:
     t, p = job.training, job.parallel
-    float8 = t.float8 if t.float8.enabled else None
+    float8 = float8_of(t)
     parallel = ParallelOptions(
         param_dtype=param_dtype(t.mixed_precision, device), reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
         activation_checkpoint=t.activation_checkpoint, activation_checkpoint_every=t.activation_checkpoint_every,

@@ -82,6 +82,11 @@ def check_float8_layers(model: nn.Module, f8: Float8Config) -> None:
                           f"training.float8.skip_unaligned=true")
 
 
+def float8_of(training) -> Float8Config | None:
+    """training.float8 when it is enabled, else None."""
+    return training.float8 if training.float8.enabled else None
+
+
 def gathers_in_float8(f8: Float8Config | None) -> bool:
     """Whether FSDP and tensor parallel move float8 weights and inputs (torchao: tensorwise only)."""
     return f8 is not None and f8.recipe == "tensorwise"
@@ -159,9 +164,10 @@ def float8_tp_plan(model: nn.Module, plan: dict) -> dict:
 
 def gather_bytes_over_gloo(model: nn.Module) -> None:
     """FSDP's all-gathers of `model` carry float8 weights as bytes: gloo has no float8 types."""
+    gather = _byte_all_gather()  # stateless: one for every unit
     for module in model.modules():
         if hasattr(module, "set_custom_all_gather"):
-            module.set_custom_all_gather(_byte_all_gather())
+            module.set_custom_all_gather(gather)
 
 
 def _byte_all_gather():
@@ -197,6 +203,7 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 def precompute_scales(parts: list[nn.Module]) -> None:
     """The scales of the float8 weights FSDP gathers this step, in one all-reduce (else each unit
     reduces its own at every gather). Run before each step, so loaded weights are never stale."""
-    ao = torchao_float8()
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # (imported quietly at build)
+
     for part in parts:
-        ao.precompute_float8_dynamic_scale_for_fsdp(part)
+        precompute_float8_dynamic_scale_for_fsdp(part)

@@ -22,7 +22,7 @@ from trainer.data.microbatches import StepMicrobatches
 from trainer.distributed import restart_count
 from trainer.faults import Faults
 from trainer.float8 import describe as describe_float8
-from trainer.float8 import gathers_in_float8, precompute_scales
+from trainer.float8 import float8_of, gathers_in_float8, precompute_scales
 from trainer.guards import StepGuard, check_finite
 from trainer.memory import COUNTED_STEPS, TensorMemory, peak_memory_gib, peak_tensor_gib
 from trainer.metrics import MetricsLogger, MoEStats, Throughput, flops_per_token, peak_tflops
@@ -53,7 +53,7 @@ class Trainer:
         self.parts, stages = build_model_parts(build_options(job, dims, device), dims, device)
         self.model = nn.ModuleList(self.parts)
         self.param_mib = self._describe_model()
-        f8 = t.float8 if t.float8.enabled else None
+        f8 = float8_of(t)
         if f8 is not None:
             self.log(describe_float8(self.parts, f8))
         self.float8_scales = gathers_in_float8(f8)

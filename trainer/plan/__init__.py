@@ -22,7 +22,7 @@ from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
 from trainer.plan.layout import holdings
-from trainer.plan.memory import FP32, RankMemory, Shapes, rank_memory
+from trainer.plan.memory import FP32, RankMemory, Shapes, gathered_bytes_per_element, rank_memory
 from trainer.plan.time import StepTime, step_time
 from trainer.tensors import DTYPES
 
@@ -178,7 +178,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         # The blocks' linear layers at the float8 rate, the rest (attention's scores, the head) not.
         in_float8 = float8_share(m) * blocks_matmul / flops
         compute_tflops = 1 / ((1 - in_float8) / peak_tflops + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
-    gathered_per_element = act_bytes - (act_bytes - 1) * float8_share(m) * (f8 == "tensorwise")
+    gathered_per_element = gathered_bytes_per_element(act_bytes, float8_share(m), f8)
     timing = step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,

@@ -37,6 +37,11 @@ class RankMemory:
         return name, terms[name]
 
 
+def gathered_bytes_per_element(param_bytes: int, float8_share: float, float8: str | None) -> float:
+    """What FSDP gathers per parameter: tensorwise float8 gathers the float8 layers' weights in one byte."""
+    return param_bytes - (param_bytes - 1) * float8_share * (float8 == "tensorwise")
+
+
 def checkpointed_layer_bytes(s: Shapes) -> float:
     """Bytes a fully checkpointed block keeps: its input."""
     stream = s.tokens // s.tp if s.sequence_parallel and s.tp > 1 else s.tokens
@@ -97,9 +102,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     edges = ("embedding", "head", "root")
     in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0 for u in units}
-    # Gathered bytes per element: tensorwise float8 gathers the float8 layers' weights in float8 (1 byte).
-    per_element = {u.name: param_bytes - (param_bytes - 1) * in_float8[u.name] * (float8 == "tensorwise")
-                   for u in units}
+    per_element = {u.name: gathered_bytes_per_element(param_bytes, in_float8[u.name], float8) for u in units}
     if schedule is not None:
         # Under pipeline parallel a stage keeps its parameters gathered from forward to backward.
         gathered = sum(u.gathered * per_element[u.name] for u in units)
