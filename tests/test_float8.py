@@ -28,9 +28,13 @@ KERNEL = ("training.float8.emulate=false",)  # torch's _scaled_mm: the GPU's pat
 # run does, and has a tolerance of its own. Measured (Zen 4, torch 2.13, torchao 0.18): losses within
 # 2.0e-4 (fsdp2, pp2) to 7.9e-4 (tp2 with fsdp2), gradient norms within 9.4e-4 (fsdp2) to 1.3e-2 (tp2:
 # e5m2 gradients keep two mantissa bits); context parallel 1.7e-3 and 1.5e-2 (2.7e-2 allgather, emulated).
+# At this lr float8's curve is close to a loss spike at step 4: a run whose step-2 weights differ by
+# float8's rounding can spike (context parallel's ring with emulated casts: 5.55 against 4.66), and
+# from those same weights every layout and the one-process run compute the same step (losses within
+# 4e-5, checked by resuming one checkpoint in each); HSDP 2x2 lands 4e-3 off at step 4 that way.
 FLOAT8_RTOL = 2e-3
 FLOAT8_GRAD_NORM_RTOL = 3e-2
-CP_RTOL, CP_GRAD_NORM_RTOL = 5e-3, 6e-2
+LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL = 5e-3, 6e-2  # context parallel (no one-process run splits the sequence), HSDP
 ACCUM2 = ("training.grad_accum_steps=2",)
 TRACK_RTOL = 1e-2  # float8 against fp32 (measured: 1.8e-3)
 KERNEL_RTOL = 5e-3  # the float8 kernel against emulation (measured: 1.9e-3)
@@ -38,6 +42,7 @@ ROWWISE = ("training.float8.recipe=rowwise",)
 # name -> (ranks, recipe and overrides, the one-process reference's overrides)
 FLOAT8_LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"], ACCUM2),
+    "hsdp2x2": (4, ["+recipe=llama_hsdp"], ("training.grad_accum_steps=4",)),
     "tp2_rowwise": (2, ["+recipe=llama_tp2", *ROWWISE], ROWWISE),
     "tp2_no_sp_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2", "parallel.sequence_parallel=false"], ACCUM2),
     "pp2_ac_selective_compile": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.activation_checkpoint=selective",
@@ -71,7 +76,8 @@ def float8_reference(tmp_path_factory):
 def test_float8_layout_matches_single_process(layout, float8_reference, tmp_path):
     ranks, overrides, reference_overrides = FLOAT8_LAYOUTS[layout]
     records = train_metrics(ranks, *emulated(overrides), *COMMON, *FLOAT8, *CHUNKED, output_dir=tmp_path)
-    rtol, grad_norm_rtol = (CP_RTOL, CP_GRAD_NORM_RTOL) if "cp2" in layout else (FLOAT8_RTOL, FLOAT8_GRAD_NORM_RTOL)
+    loose = "cp2" in layout or "hsdp" in layout
+    rtol, grad_norm_rtol = (LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL) if loose else (FLOAT8_RTOL, FLOAT8_GRAD_NORM_RTOL)
     check_against(float8_reference(reference_overrides), records, f"float8 {layout}", rtol, grad_norm_rtol)
 
 
