@@ -111,6 +111,19 @@ MISTAKES = {
                                                "model.ffn_dim=200"],
                                     r"training.float8: layers.\*.feed_forward.w1, layers.\*.feed_forward.w3, "
                                     r"layers.\*.feed_forward.w2 have dimensions float8 matmuls cannot take"),
+    "fault tolerance without groups": (lambda p: ["fault_tolerance.enabled=true"],
+                                       r"fault_tolerance.enabled=true needs parallel.dp_replicate >= 2 replica groups"),
+    "more min_replicas than groups": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
+                                                 "fault_tolerance.min_replicas=3"],
+                                      r"fault_tolerance.min_replicas=3 must be between 1 and the "
+                                      r"parallel.dp_replicate=2 groups"),
+    "a replica group that is not one": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
+                                                   "fault_tolerance.replica_group=2"],
+                                        r"fault_tolerance.replica_group=2 must be one of the parallel.dp_replicate=2"),
+    "lighthouse not reachable": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
+                                            "fault_tolerance.lighthouse=http://127.0.0.1:9", "distributed.timeout_s=1"],
+                                 r"fault_tolerance.lighthouse=http://127.0.0.1:9 cannot be reached \(.*\) within "
+                                 r"distributed.timeout_s=1"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }

@@ -258,6 +258,22 @@ class DistributedConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Per-step fault tolerance across replica groups (torchft): each of the parallel.dp_replicate
+    groups is a job of its own (dp_shard x cp x tp x pp ranks); a lighthouse keeps them in step."""
+
+    enabled: bool = False
+    replica_group: int = 0  # this job's group: 0 .. parallel.dp_replicate - 1
+    lighthouse: Optional[str] = None  # http://host:29510; null: $TORCHFT_LIGHTHOUSE
+    min_replicas: int = 1  # a step commits only with at least this many groups in it
+    timeout_s: float = 60  # a collective across groups, or a recovery from a peer, before it fails
+    quorum_timeout_s: float = 60  # waiting for the groups to agree on a step
+    # While groups are out the survivors train the missing groups' shares too, so every step trains
+    # the whole global batch in the same order; false: the step trains the survivors' shares only.
+    keep_global_batch: bool = True
+
+
+@dataclass
 class JobConfig:
     device: str = "auto"
     run_name: str = "${recipe_name:}"
@@ -271,6 +287,7 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     checkpoint: Dict[str, Any] = field(default_factory=checkpoint_keys)
     # Python modules every rank imports first: model families defined outside trainer/ register there.
     imports: List[str] = field(default_factory=list)

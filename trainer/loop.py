@@ -20,6 +20,7 @@ from trainer.config import CheckpointConfig, JobConfig
 from trainer.data import BatchLoader, Prefetcher
 from trainer.data.microbatches import StepMicrobatches
 from trainer.distributed import restart_count
+from trainer.fault_tolerance import ReplicaGroups
 from trainer.faults import Faults
 from trainer.float8 import describe as describe_float8
 from trainer.float8 import float8_of, gathers_in_float8, precompute_scales
@@ -67,6 +68,11 @@ class Trainer:
         if self.rank == 0 and self.step < t.steps:  # a finished run's config stays as it trained
             OmegaConf.save(OmegaConf.create(config), self.output_dir / "config.yaml")
         self.scheduler = self._scheduler(self.step)
+        self.replicas = None
+        if job.fault_tolerance.enabled:
+            self.replicas = ReplicaGroups(job, self.model, self.optimizer, (self._progress, self._set_progress),
+                                          device, self.log)
+            self.replicas.set_step(self.step)
         self.checkpointer = None
         if checkpoint.enabled:
             self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint.interval, checkpoint.keep_last,
@@ -98,12 +104,19 @@ class Trainer:
             self.log(f"nothing to train: already at step {self.step} (training.steps={self.training.steps}); "
                      f"raise training.steps to train on")
         while self.step < self.training.steps:
+            shares = self.start_step()
+            if self.step >= self.training.steps:  # a peer this group recovered from had finished
+                break
             self.step += 1
             step = self.step
             self.watchdog.step(step)
             self.profiler.begin(step)
-            loss, grad_norm, lr = self.train_step(self.batches(step - 1))
+            result = self.train_step(self.step_batches(step - 1, shares))
             self.profiler.end(step)
+            if result is None:  # a replica group failed during the step: trained again by the quorum left
+                self.step -= 1
+                continue
+            loss, grad_norm, lr = result
             if self.rollback and self.guard.spiked() and self.roll_back():
                 continue
             if step == self.counted_until:
@@ -113,30 +126,60 @@ class Trainer:
                 self.log_step(loss, grad_norm, lr, validate)
             self.watchdog.phase("checkpoint")
             stop = self.stop.agreed()
-            if self.checkpointer is not None:
+            if self.checkpointer is not None and (self.replicas is None or self.replicas.saves_checkpoints()):
                 self.checkpointer.after_step(step, self.training.steps, self.saved_state, stop)
             if stop:
                 self._say_stopped()
                 break
         self.finish()
 
-    def train_step(self, microbatches: list) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Forward, backward and the optimizer step -> (this rank's loss, the gradient norm, the lr)."""
+    def start_step(self) -> list[int] | None:
+        """Under fault tolerance, the quorum of replica groups for the next step (a group behind the
+        others first receives their state: self.step moves); the global batch's replica shares this
+        group trains in it. None without fault tolerance."""
+        if self.replicas is None:
+            return None
+        self.watchdog.phase("quorum")
+        shares = self.replicas.start_step()
+        if self.replicas.recovered_at is not None:
+            self.log(f"fault tolerance: recovered from a peer group at step {self.step} in "
+                     f"{self.replicas.recovered_at:.2f}s (weights, optimizer state and step; no checkpoint read)")
+        return shares
+
+    def step_batches(self, step: int, shares: list[int] | None) -> list[list]:
+        """The step's microbatches, one list per replica share this group trains (one without fault
+        tolerance); `step` counts from 0."""
+        if shares is None:
+            return [self.batches(step)]
+        return [self.batches(step) if share == self.own_share else self.share_batches(share)(step)
+                for share in shares]
+
+    def train_step(self, rounds: list[list]) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Forward, backward and the optimizer step over the step's microbatches (`rounds`: a list of
+        them per replica share, each round accumulating into the gradients) -> (this rank's loss, the
+        gradient norm, the lr); None when the replica groups did not all finish the step."""
         step = self.step
         self.watchdog.phase("forward")
         self.faults.before_forward(step)
         if self.float8_scales:
             precompute_scales(self.parts)
-        loss = self.step_fn(microbatches)
+        loss = torch.zeros((), device=self.device)
+        for microbatches in rounds:
+            loss = loss + self.step_fn(microbatches)
         self.faults.after_backward(step, self.model.parameters())
         self.watchdog.phase("optimizer")
         sum_grads_over_tp(self.parts, self.dims)
         if self.moe_stats is not None:
             self.moe_stats.collect(self.parts, self.spec, self.dims.grad_accum_steps * self.dims.pp_microbatches)
+        if self.replicas is not None:
+            loss = self.replicas.reduce(self.model.parameters(), loss)
         grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm, loss)
         # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
         self.optimizer.found_inf = self.guard.check(step, loss_sum / self.loss_holders, grad_norm)
         lr = self.scheduler.get_last_lr()[0]
+        if self.replicas is not None and not self.replicas.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -217,6 +260,8 @@ class Trainer:
         self.batches.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self.replicas is not None:
+            self.replicas.close()
         self.logger.close()
 
     def _describe_model(self) -> float:
@@ -231,14 +276,29 @@ class Trainer:
         return param_mib
 
     def _build_data(self, dataset, val_dataset) -> None:
-        t, dims = self.training, self.dims
+        """The step's batches, read ahead. Under fault tolerance the data-parallel ranks are those of
+        every replica group (the job's `dp_replicate` x this group's dp), and a share's loader reads
+        what that group's ranks would."""
+        t, dims, ft = self.training, self.dims, self.job.fault_tolerance
         dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
-        self.loader, val_loader = (
-            BatchLoader(data, t.global_batch_size, dp_rank, dims.dp, dims.grad_accum_steps, t.seed,
-                        dims.pp_microbatches)
-            for data in (dataset, val_dataset)
-        )
+        groups = self.job.parallel.dp_replicate if ft.enabled else 1
+        self.own_share = ft.replica_group if ft.enabled else 0
         eos_id = dataset.eos_id if self.job.data.document_mask else None
+
+        def share_loader(data, share: int) -> BatchLoader:
+            return BatchLoader(data, t.global_batch_size, share * dims.dp + dp_rank, groups * dims.dp,
+                               dims.grad_accum_steps, t.seed, dims.pp_microbatches)
+
+        def share_batches(share: int) -> StepMicrobatches:
+            loader = share_loader(dataset, share)
+            loader.offset = self.loader.offset
+            return StepMicrobatches(loader, cp_rank, dims.cp, eos_id)
+
+        self.loader = share_loader(dataset, self.own_share)
+        # Each group validates on the whole validation batch: the job's loss, whoever is alive.
+        val_loader = BatchLoader(val_dataset, t.global_batch_size, dp_rank, dims.dp, dims.grad_accum_steps, t.seed,
+                                 dims.pp_microbatches)
+        self.share_batches = share_batches
         corrupt = partial(self.faults.corrupt, vocab_size=dataset.vocab_size)
         self.batches = Prefetcher(StepMicrobatches(self.loader, cp_rank, dims.cp, eos_id, corrupt))
         self.val_batches = StepMicrobatches(val_loader, cp_rank, dims.cp, eos_id)
@@ -254,6 +314,15 @@ class Trainer:
                      f"the global batch of {t.global_batch_size} sequences kept")
         self.loader.offset = position - start_step * t.global_batch_size
         return start_step
+
+    def _progress(self) -> dict:
+        """What a replica group recovering from this one needs besides the weights and optimizer state."""
+        return {"step": self.step, "data_offset": self.loader.offset}
+
+    def _set_progress(self, progress: dict) -> None:
+        self.step, self.loader.offset = progress["step"], progress["data_offset"]
+        self.scheduler = self._scheduler(self.step)
+        self.throughput.reset(self.step)
 
     def _scheduler(self, step: int):
         t = self.training

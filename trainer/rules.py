@@ -20,6 +20,7 @@ from trainer.checkpoint.files import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.errors import ConfigError
+from trainer.fault_tolerance import check_fault_tolerance, group_view
 from trainer.float8 import check_float8, check_float8_layers
 from trainer.models import build_model, family
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
@@ -47,7 +48,9 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     derive (every `-1`, the accumulation steps) resolved. `job` is left as it is."""
     check_ranges(job)
     check_model(job.model)
-    dims = resolve_layout(job.parallel, job.model, job.training, world)
+    check_fault_tolerance(job)
+    group = group_view(job)  # under fault tolerance, one replica group is the job's world
+    dims = resolve_layout(group.parallel, job.model, group.training, world)
     if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true: "
                           f"each tp rank routes its own slice of the sequence")

@@ -18,6 +18,7 @@ from trainer.config import JobConfig
 from trainer.data import build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError, TrainingStopped
+from trainer.fault_tolerance import group_output_dir, group_view
 from trainer.loop import Trainer
 from trainer.models import import_modules
 from trainer.output import OutputLock, check_writable
@@ -41,6 +42,7 @@ def build_datasets(job: JobConfig):
 def run(cfg: DictConfig) -> None:
     """Runs the job `cfg` (the composed Hydra config) on this rank."""
     job: JobConfig = OmegaConf.to_object(cfg)
+    job = dataclasses.replace(job, output_dir=group_output_dir(job))
     import_modules(job.imports)
     device = resolve_device(job.device)
     dims, checkpoint = check_config(job, world_size())
@@ -97,7 +99,7 @@ def check_memory(job: JobConfig, dims: ParallelDims, device: torch.device) -> fl
 
 def _planned_peak(job: JobConfig, dims: ParallelDims, device, pp_rank: int) -> tuple[float | None, str | None]:
     try:
-        plan = make_plan(job, dims, device)
+        plan = make_plan(group_view(job), dims, device)
         plan.check_fits()
     except ConfigError as e:
         return None, str(e)

@@ -1,0 +1,236 @@
+"""Per-step fault tolerance across replica groups, through torchft.
+
+The data-parallel replicas (`parallel.dp_replicate` of them) run as separate jobs, the replica groups:
+each is an ordinary torchrun job of dp_shard x cp x tp x pp ranks with FSDP inside it. torchft's
+lighthouse decides before each step which groups take part (a quorum); rank r of each group
+all-reduces its gradient shards with rank r of the others over a process group torchft rebuilds when
+the quorum changes. A group that dies costs the others one retried step, not a restart; one that
+(re)joins receives the weights, optimizer state and step from a peer over the network (no checkpoint
+is read) and trains the same step as everyone else.
+
+The whole global batch is trained while groups are out (`keep_global_batch`): a step's batch is
+`dp_replicate` replica shares, and the groups in the quorum split the shares among them, each
+training its shares one after another (accumulating), so the step's samples, their order and its
+gradient do not depend on who is alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+import warnings
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.float8 import plain
+
+INSTALL = 'pip install -e ".[ft]"'
+
+
+def torchft():
+    """The torchft module, imported with its per-step logging turned down; a config error naming the
+    install command if it is missing."""
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse client logs every quorum at info
+    try:
+        import torchft
+    except ImportError:
+        raise ConfigError(f"fault_tolerance.enabled=true needs torchft: {INSTALL}") from None
+    # torchft logs a failed collective with its traceback on every rank; the loop says it in one line.
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")  # a peer's state, read once
+    return torchft
+
+
+def lighthouse_address(ft) -> str | None:
+    return ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+
+
+def check_fault_tolerance(job: JobConfig) -> None:
+    """The fault_tolerance keys against the layout (no process group needed)."""
+    ft, groups = job.fault_tolerance, job.parallel.dp_replicate
+    if not ft.enabled:
+        return
+    if groups < 2:
+        raise ConfigError(f"fault_tolerance.enabled=true needs parallel.dp_replicate >= 2 replica groups to replicate "
+                          f"over (each a job of its own); parallel.dp_replicate={groups}")
+    if not 0 <= ft.replica_group < groups:
+        raise ConfigError(f"fault_tolerance.replica_group={ft.replica_group} must be one of the "
+                          f"parallel.dp_replicate={groups} groups: 0..{groups - 1}")
+    if not 1 <= ft.min_replicas <= groups:
+        raise ConfigError(f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and the "
+                          f"parallel.dp_replicate={groups} groups")
+    for key in ("timeout_s", "quorum_timeout_s"):
+        if not getattr(ft, key) > 0:
+            raise ConfigError(f"fault_tolerance.{key}={getattr(ft, key)} must be > 0 seconds")
+    if job.training.global_batch_size % groups:
+        raise ConfigError(f"training.global_batch_size={job.training.global_batch_size} must be divisible by the "
+                          f"parallel.dp_replicate={groups} replica groups")
+    torchft()
+    address = lighthouse_address(ft)
+    if address is None:
+        raise ConfigError("fault_tolerance.lighthouse is not set (nor $TORCHFT_LIGHTHOUSE): the lighthouse's address, "
+                          "e.g. http://localhost:29510 (scripts/ft_local.sh starts one)")
+    check_reachable(address, job.distributed.timeout_s)
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """A config error unless something listens at the lighthouse's address within `timeout_s`."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((url.hostname, url.port or 29510), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"fault_tolerance.lighthouse={address} cannot be reached ({e.strerror or e}) "
+                                  f"within distributed.timeout_s={timeout_s}: start the lighthouse first "
+                                  f"(torchft_lighthouse; scripts/ft_local.sh starts one)") from None
+            time.sleep(0.5)
+
+
+def group_view(job: JobConfig) -> JobConfig:
+    """The job as one replica group sees it: no replicate dimension in its mesh, and its share of the
+    global batch (what the layout rules and the memory plan check)."""
+    if not job.fault_tolerance.enabled:
+        return job
+    groups = job.parallel.dp_replicate
+    return dataclasses.replace(
+        job, parallel=dataclasses.replace(job.parallel, dp_replicate=1),
+        training=dataclasses.replace(job.training, global_batch_size=job.training.global_batch_size // groups))
+
+
+def group_output_dir(job: JobConfig) -> str:
+    """Where this replica group writes its metrics, logs and checkpoints: a folder of its own in the
+    job's output_dir (each group is a job with its own lock and config)."""
+    if not job.fault_tolerance.enabled:
+        return job.output_dir
+    return os.path.join(job.output_dir, f"replica_group_{job.fault_tolerance.replica_group}")
+
+
+class ReplicaGroups:
+    """This rank's side of torchft's manager: the quorum at the start of each step, the gradient
+    all-reduce across groups, and the commit before the optimizer steps."""
+
+    def __init__(self, job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state,
+                 device: torch.device, log):
+        ft, tf = job.fault_tolerance, torchft()
+        self.groups, self.group, self.keep = job.parallel.dp_replicate, ft.replica_group, ft.keep_global_batch
+        self.model, self.optimizer, self.log = model, optimizer, log
+        # (get, set) of what else a recovering group needs: the step and the data's stream position.
+        self.trainer_state = trainer_state
+        timeout = timedelta(seconds=ft.timeout_s)
+        pg = tf.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else tf.ProcessGroupGloo(timeout=timeout)
+        self.manager = tf.Manager(
+            pg=pg, min_replica_size=ft.min_replicas, load_state_dict=self._load, state_dict=self._state,
+            # The quorum is known before the step's data is chosen, and a recovering group is whole
+            # before its forward: both need the quorum at the start of the step, not during it.
+            use_async_quorum=False,
+            # Every group initializes the same weights from the seed, or resumes the same checkpoint.
+            init_sync=False,
+            replica_id=f"replica_group_{self.group}", lighthouse_addr=lighthouse_address(ft),
+            timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=job.distributed.timeout_s))
+        self.recovered_at: float | None = None
+        self.participants: list[int] = []  # the groups' shares this group trains this step
+        self.said = (self.groups, True)
+
+    def set_step(self, step: int) -> None:
+        """The step a resumed checkpoint left off at: the quorum compares it across groups."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
+
+    def start_step(self) -> list[int]:
+        """The quorum for the next step (recovering from a peer first if this group is behind);
+        returns the replica shares of the global batch this group trains in it."""
+        self.recovered_at = None
+        self.manager.start_quorum()
+        n, rank = self.manager.num_participants(), self.manager.participating_rank()
+        if rank is None:  # healing failed or no room: train nothing, commit nothing
+            self.participants = []
+        elif self.keep:
+            self.participants = [share for share in range(self.groups) if share % n == rank]
+        else:
+            self.participants = [self.group]
+        if (n, self.keep) != self.said:
+            self.said = (n, self.keep)
+            what = "the whole global batch" if self.keep else f"{n} of {self.groups} shares of the global batch"
+            self.log(f"fault tolerance: {n} of {self.groups} replica groups in this step; it trains {what}")
+        return self.participants
+
+    def reduce(self, parameters, loss: torch.Tensor) -> torch.Tensor:
+        """Sums the groups' gradient shards and losses (one all-reduce of a flat buffer) into the
+        mean over the global batch's replica shares; returns the reduced loss."""
+        grads = [_local(p.grad) for p in parameters if p.grad is not None]
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1)])
+        self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        shares = self.groups if self.keep else self.manager.num_participants()
+        flat /= max(shares, 1)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return flat[-1].to(loss.dtype)
+
+    def saves_checkpoints(self) -> bool:
+        """One group saves the job's checkpoints: the first of the step's quorum."""
+        return self.manager.participating_rank() == 0
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished the step (else it is trained again)."""
+        committed = self.manager.should_commit()
+        if not committed:
+            error = self.manager.errored()
+            why = str(error.original_exception).splitlines()[0][:200] if error is not None else "a group did not commit"
+            self.log(f"fault tolerance: the step failed across replica groups ({why}); training it again")
+        return committed
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # What a recovering group receives from a peer: this rank's shards of the weights and optimizer
+    # state (the groups share a layout, so rank r's shards are rank r's everywhere), and the step.
+
+    def _state(self) -> dict:
+        params = list(self.model.parameters())
+        optim = [{k: _local(v) for k, v in self.optimizer.state[p].items()} if p in self.optimizer.state else None
+                 for p in params]
+        return {"params": [_local(p) for p in params], "optimizer": optim, "trainer": self.trainer_state[0]()}
+
+    def _load(self, state: dict) -> None:
+        started = time.perf_counter()
+        with torch.no_grad():
+            for p, value, saved in zip(self.model.parameters(), state["params"], state["optimizer"]):
+                _local(p).copy_(value)
+                if saved is None:
+                    self.optimizer.state.pop(p, None)
+                elif p in self.optimizer.state:
+                    for k, v in saved.items():
+                        _local(self.optimizer.state[p][k]).copy_(v)
+                else:
+                    self.optimizer.state[p] = {k: _like(p, v) for k, v in saved.items()}
+        self.trainer_state[1](state["trainer"])
+        self.recovered_at = time.perf_counter() - started
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = plain(t)
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor for parameter `p` from its local shard `value` (a scalar stays plain)."""
+    value = value.to(p.device).clone()
+    if isinstance(p, DTensor) and value.ndim > 0:
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return value
