@@ -104,7 +104,8 @@ def _lose_and_regain_group_1(address: str, out: Path, *extra: str) -> tuple[list
     assert [r["step"] for r in survivor] == list(range(first, STEPS + 1)), "group 0 repeated or skipped a step"
     next_step = min(r["time"] for r in survivor if r["time"] > killed_at)
     returned_log = sorted(out.glob("group1.*.log"))[-1].read_text()
-    return survivor, read_metrics(folders[1]), next_step - killed_at, returned_log
+    returned = [r for r in read_metrics(folders[1]) if r["step"] > RESTART_AT]  # (its rows before the kill kept)
+    return survivor, returned, next_step - killed_at, returned_log
 
 
 @pytest.mark.multiprocess
@@ -125,7 +126,7 @@ def test_a_lost_group_costs_no_restart_and_a_returning_one_recovers_live(lightho
     assert "no checkpoint read" in recovery
     assert difference <= RTOL, (losses, reference)
     joined = returned[0]["step"]
-    assert joined > RESTART_AT, "the returning group trained steps its peer had already trained"
+    assert recovery.startswith(f" at step {joined - 1} "), "the returning group trained before it recovered"
     assert [r["loss"] for r in returned] == losses[joined - first:], "the groups disagree after the recovery"
     # The last checkpoint (saved by the quorum's first group) holds the uninterrupted job's weights.
     checkpoints = tmp_path / "ft" / "replica_group_0" / "checkpoints"
@@ -134,6 +135,23 @@ def test_a_lost_group_costs_no_restart_and_a_returning_one_recovers_live(lightho
     worst = max(((final[k] - v).norm() / v.norm()).item() for k, v in expected.items())
     print(f"final weights against the uninterrupted job: {worst:.1e} (relative norm, worst tensor)")
     assert worst <= RTOL
+    # The whole job started again, longer: every group goes on from the last checkpoint (only group 0's
+    # folder holds one), none from step 0.
+    again = [_group(g, lighthouse, tmp_path / "ft", *save, f"training.steps={STEPS + 2}") for g in (0, 1)]
+    try:
+        assert [g.wait(timeout=120) for g in again] == [0, 0]
+    finally:
+        for g in again:
+            _kill(g)
+    last = []
+    for g in (0, 1):
+        rows = [r for r in read_metrics(tmp_path / "ft" / f"replica_group_{g}") if r["step"] > STEPS]
+        assert [r["step"] for r in rows] in ([STEPS + 1, STEPS + 2], [STEPS + 2]), g  # (or it joined at the last)
+        last.append(rows[-1]["loss"])
+        log = sorted((tmp_path / "ft").glob(f"group{g}.*.log"))[-1].read_text()
+        trained = [int(line.split()[1]) for line in log.splitlines() if line.startswith("step ")]
+        assert trained and min(trained) > STEPS, (g, trained)
+    assert last[0] == last[1]
     # A checkpoint one group saved mid-run resumes as an ordinary job, here on one process.
     resumed = train_metrics(1, *RUN, f"checkpoint.resume={checkpoints / f'step_{STEPS // 2}'}",
                             output_dir=tmp_path / "resumed")

@@ -35,6 +35,8 @@ from trainer.errors import ConfigError
 from trainer.float8 import plain
 
 INSTALL = 'pip install -e ".[ft]"'
+# Gradients all-reduced across groups at once: the fp32 copy the all-reduce needs is this large.
+BUCKET_BYTES = 256 * 2**20
 
 
 def torchft():
@@ -168,18 +170,27 @@ class ReplicaGroups:
         return self.participants
 
     def reduce(self, parameters, loss: torch.Tensor) -> torch.Tensor:
-        """Sums the groups' gradient shards and losses (one all-reduce of a flat buffer) into the
-        mean over the global batch's replica shares; returns the reduced loss."""
-        grads = [_local(p.grad) for p in parameters if p.grad is not None]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.detach().float().reshape(1)])
-        self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-        shares = self.groups if self.keep else self.manager.num_participants()
-        flat /= max(shares, 1)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return flat[-1].to(loss.dtype)
+        """Sums the groups' gradient shards and losses across groups into the mean over the global
+        batch's replica shares; returns the reduced loss. Buckets of BUCKET_BYTES, one after another:
+        the extra memory is one bucket's fp32 copy, whatever the model's size."""
+        parameters = list(parameters)
+        for p in parameters:  # a group that trained nothing this step still sends its (zero) share
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in parameters]
+        shares = self.groups if self.keep else max(self.manager.num_participants(), 1)
+        loss = loss.detach().float().reshape(1)
+        for i, bucket in enumerate(_buckets(grads, BUCKET_BYTES // 4)):
+            flat = torch.cat([g.reshape(-1).float() for g in bucket] + ([loss] if i == 0 else []))
+            self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+            flat /= shares
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            if i == 0:
+                loss = flat[-1:].clone()
+        return loss.reshape(())
 
     def saves_checkpoints(self) -> bool:
         """One group saves the job's checkpoints: the first of the step's quorum."""
@@ -220,6 +231,19 @@ class ReplicaGroups:
                     self.optimizer.state[p] = {k: _like(p, v) for k, v in saved.items()}
         self.trainer_state[1](state["trainer"])
         self.recovered_at = time.perf_counter() - started
+
+
+def _buckets(tensors: list[torch.Tensor], elements: int) -> list[list[torch.Tensor]]:
+    """`tensors` in order, in runs of about `elements` elements (a larger tensor is a run of its own)."""
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if buckets[-1] and size + t.numel() > elements:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += t.numel()
+    return buckets
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

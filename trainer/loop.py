@@ -17,8 +17,7 @@ from torch import nn
 from trainer.build import build_model_parts, build_options
 from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
 from trainer.config import CheckpointConfig, JobConfig
-from trainer.data import BatchLoader, Prefetcher
-from trainer.data.microbatches import StepMicrobatches
+from trainer.data.microbatches import StepData
 from trainer.distributed import restart_count
 from trainer.fault_tolerance import ReplicaGroups
 from trainer.faults import Faults
@@ -64,7 +63,10 @@ class Trainer:
         self.faults = Faults.from_env(self.rank, job.output_dir)
         self._build_data(dataset, val_dataset)
         self.checkpoint_dir = self.output_dir / "checkpoints"
-        self.step = self._resume(checkpoint)
+        # A replica group takes its state at its first quorum: from a peer group when one is past
+        # step 0, else (the whole job starts) from the newest checkpoint of any group.
+        self.deferred_resume = checkpoint if job.fault_tolerance.enabled else None
+        self.step = self._resume(checkpoint) if self.deferred_resume is None else 0
         if self.rank == 0 and self.step < t.steps:  # a finished run's config stays as it trained
             OmegaConf.save(OmegaConf.create(config), self.output_dir / "config.yaml")
         self.scheduler = self._scheduler(self.step)
@@ -79,7 +81,8 @@ class Trainer:
                                              checkpoint.async_save, config["model"], device)
             self.checkpointer.before_publish = partial(self.faults.hang_or_kill, "kill_save")
 
-        self.logger = MetricsLogger(str(self.output_dir), self.rank == 0, job.metrics.wandb, config, self.step)
+        self.logger = MetricsLogger(str(self.output_dir), self.rank == 0, job.metrics.wandb, config,
+                                    self.step if self.deferred_resume is None else None)
         peak = peak_tflops(device, job.metrics.peak_tflops) if self.rank == 0 else None  # only rank 0 logs mfu
         self.throughput = Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
                                      dims.world_size, self.step)
@@ -111,7 +114,7 @@ class Trainer:
             step = self.step
             self.watchdog.step(step)
             self.profiler.begin(step)
-            result = self.train_step(self.step_batches(step - 1, shares))
+            result = self.train_step(self.data.train(step - 1, shares))
             self.profiler.end(step)
             if result is None:  # a replica group failed during the step: trained again by the quorum left
                 self.step -= 1
@@ -144,15 +147,18 @@ class Trainer:
         if self.replicas.recovered_at is not None:
             self.log(f"fault tolerance: recovered from a peer group at step {self.step} in "
                      f"{self.replicas.recovered_at:.2f}s (weights, optimizer state and step; no checkpoint read)")
+        elif self.deferred_resume is not None and self.step == 0:
+            self.watchdog.slow("resume")
+            groups = [self.output_dir.parent / f"replica_group_{g}" / "checkpoints"
+                      for g in range(self.job.parallel.dp_replicate)]
+            self.step = self._resume(self.deferred_resume, groups)
+            self.scheduler = self._scheduler(self.step)
+            self.throughput.reset(self.step)
+            self.replicas.set_step(self.step)
+        if self.deferred_resume is not None:
+            self.logger.begin(self.step)
+            self.deferred_resume = None
         return shares
-
-    def step_batches(self, step: int, shares: list[int] | None) -> list[list]:
-        """The step's microbatches, one list per replica share this group trains (one without fault
-        tolerance); `step` counts from 0."""
-        if shares is None:
-            return [self.batches(step)]
-        return [self.batches(step) if share == self.own_share else self.share_batches(share)(step)
-                for share in shares]
 
     def train_step(self, rounds: list[list]) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """Forward, backward and the optimizer step over the step's microbatches (`rounds`: a list of
@@ -170,7 +176,8 @@ class Trainer:
         self.watchdog.phase("optimizer")
         sum_grads_over_tp(self.parts, self.dims)
         if self.moe_stats is not None:
-            self.moe_stats.collect(self.parts, self.spec, self.dims.grad_accum_steps * self.dims.pp_microbatches)
+            microbatches = self.dims.grad_accum_steps * self.dims.pp_microbatches * len(rounds)
+            self.moe_stats.collect(self.parts, self.spec, microbatches)
         if self.replicas is not None:
             loss = self.replicas.reduce(self.model.parameters(), loss)
         grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm, loss)
@@ -210,7 +217,7 @@ class Trainer:
             record |= self.moe_stats.report(layer_copies=dims.world_size // dims.pp)
         if validate:
             self.watchdog.slow("validation")
-            val_losses = [self.eval_fn(self.val_batches(i)) for i in range(self.job.validation.steps)]
+            val_losses = [self.eval_fn(self.data.validation(i)) for i in range(self.job.validation.steps)]
             record["val_loss"] = job_loss(torch.stack(val_losses).mean(), dims)
         self.logger.log(record)
         if self.predicted is not None and record["mem_tensor_gib"] is not None:
@@ -257,7 +264,7 @@ class Trainer:
             self.tensor_memory.stop()
         if self.training.compile and self.rank == 0:
             print(f"compile: {compiled_graphs()} graphs compiled", flush=True)
-        self.batches.close()
+        self.data.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         if self.replicas is not None:
@@ -276,38 +283,20 @@ class Trainer:
         return param_mib
 
     def _build_data(self, dataset, val_dataset) -> None:
-        """The step's batches, read ahead. Under fault tolerance the data-parallel ranks are those of
-        every replica group (the job's `dp_replicate` x this group's dp), and a share's loader reads
-        what that group's ranks would."""
-        t, dims, ft = self.training, self.dims, self.job.fault_tolerance
-        dp_rank, cp_rank = dims.view("dp").get_local_rank(), dims.view("cp").get_local_rank()
-        groups = self.job.parallel.dp_replicate if ft.enabled else 1
-        self.own_share = ft.replica_group if ft.enabled else 0
+        dims, ft = self.dims, self.job.fault_tolerance
         eos_id = dataset.eos_id if self.job.data.document_mask else None
+        self.data = StepData(dataset, val_dataset, self.training, dims, dims.view("dp").get_local_rank(),
+                             dims.view("cp").get_local_rank(), eos_id,
+                             partial(self.faults.corrupt, vocab_size=dataset.vocab_size),
+                             self.job.parallel.dp_replicate if ft.enabled else 1, ft.replica_group if ft.enabled else 0)
+        self.loader = self.data.loader
 
-        def share_loader(data, share: int) -> BatchLoader:
-            return BatchLoader(data, t.global_batch_size, share * dims.dp + dp_rank, groups * dims.dp,
-                               dims.grad_accum_steps, t.seed, dims.pp_microbatches)
-
-        def share_batches(share: int) -> StepMicrobatches:
-            loader = share_loader(dataset, share)
-            loader.offset = self.loader.offset
-            return StepMicrobatches(loader, cp_rank, dims.cp, eos_id)
-
-        self.loader = share_loader(dataset, self.own_share)
-        # Each group validates on the whole validation batch: the job's loss, whoever is alive.
-        val_loader = BatchLoader(val_dataset, t.global_batch_size, dp_rank, dims.dp, dims.grad_accum_steps, t.seed,
-                                 dims.pp_microbatches)
-        self.share_batches = share_batches
-        corrupt = partial(self.faults.corrupt, vocab_size=dataset.vocab_size)
-        self.batches = Prefetcher(StepMicrobatches(self.loader, cp_rank, dims.cp, eos_id, corrupt))
-        self.val_batches = StepMicrobatches(val_loader, cp_rank, dims.cp, eos_id)
-
-    def _resume(self, checkpoint: CheckpointConfig) -> int:
-        """Loads what checkpoint.* asks for; returns the step to go on from (collective)."""
+    def _resume(self, checkpoint: CheckpointConfig, folders: list[Path] | None = None) -> int:
+        """Loads what checkpoint.* asks for (resume=auto: from `folders`, by default this job's
+        checkpoint folder); returns the step to go on from (collective)."""
         t, dims = self.training, self.dims
-        start_step, position, saved_world = restore(checkpoint, self.state, self.checkpoint_dir, self.job.model,
-                                                    self.log)
+        start_step, position, saved_world = restore(checkpoint, self.state, folders or self.checkpoint_dir,
+                                                    self.job.model, self.log)
         if saved_world is not None and saved_world != dims.world_size:
             self.log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
                      f"grad_accum_steps={dims.grad_accum_steps}, "

@@ -105,13 +105,14 @@ class MetricsLogger:
     """Rank 0's record of training: one JSON line and one console line per logged step."""
 
     def __init__(self, output_dir: str, enabled: bool, wandb_cfg=None, config: dict | None = None,
-                 start_step: int = 0):
+                 start_step: int | None = 0):
         """A run resumed at `start_step` keeps the file's rows up to it (each step is in the file once);
-        a fresh run into a folder that has one moves it aside."""
+        a fresh run into a folder that has one moves it aside. None: the step is not known yet (a
+        replica group's, until its first quorum): `begin(step)` says it."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        if enabled and self.path.exists():
-            self._keep_until(start_step)
+        if start_step is not None:
+            self.begin(start_step)
         self.wandb = None
         if enabled and wandb_cfg is not None and wandb_cfg.enabled:
             import wandb
@@ -119,6 +120,10 @@ class MetricsLogger:
             self.wandb = wandb.init(
                 project=wandb_cfg.project, mode=wandb_cfg.mode, dir=output_dir, config=config, reinit="finish_previous"
             )
+
+    def begin(self, step: int) -> None:
+        if self.enabled and self.path.exists():
+            self._keep_until(step)
 
     def _keep_until(self, step: int) -> None:
         if step == 0:

@@ -179,13 +179,16 @@ def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_resume(folder: Path, rank: int, world: int, log) -> Path | None:
-    """Collective: the newest complete, undamaged checkpoint in `folder` (skipping damaged ones).
+def find_resume(folder: Path | list[Path], rank: int, world: int, log) -> Path | None:
+    """Collective: the newest complete, undamaged checkpoint in `folder` (or in any of several:
+    the replica groups' under fault tolerance), skipping damaged ones.
 
     Rank 0's listing of the folder decides: on a shared filesystem that caches attributes (NFS,
     Lustre) ranks restarted quickly can list different newest checkpoints, and would load different
     steps, or hang verifying different ones."""
-    candidates = [str(path) for _, path in reversed(checkpoint_steps(folder))] if rank == 0 else None
+    folders = folder if isinstance(folder, list) else [folder]
+    found = sorted(found for f in folders for found in checkpoint_steps(f))
+    candidates = [str(path) for _, path in reversed(found)] if rank == 0 else None
     if world > 1:
         shared = [candidates]
         dist.broadcast_object_list(shared, src=0)

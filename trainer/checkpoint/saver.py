@@ -32,9 +32,11 @@ from trainer.distributed import gloo_group, max_restarts, restart_count
 from trainer.errors import TrainingStopped
 
 
-def restore(cfg, state: TrainState, folder: Path, model_cfg: ModelConfig, log) -> tuple[int, int, int | None]:
-    """Collective: loads what checkpoint.* asks for (`cfg`: a CheckpointConfig); returns the step
-    and data position to go on from and the world size that saved them: (0, 0, None) for a fresh start."""
+def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelConfig,
+            log) -> tuple[int, int, int | None]:
+    """Collective: loads what checkpoint.* asks for (`cfg`: a CheckpointConfig; `resume=auto` looks
+    in `folder`, or folders); returns the step and data position to go on from and the world size
+    that saved them: (0, 0, None) for a fresh start."""
     rank, world = rank_world()
     path = None
     if cfg.resume not in ("auto", "none"):
