@@ -143,7 +143,7 @@ class ReplicaGroups:
             replica_id=f"replica_group_{self.group}", lighthouse_addr=lighthouse_address(ft),
             timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=job.distributed.timeout_s))
-        self.recovered_at: float | None = None
+        self.recovered, self.recovered_at = False, None  # the last quorum's recovery, and its seconds
         self.participants: list[int] = []  # the groups' shares this group trains this step
         self.said = (self.groups, True)
 
@@ -154,8 +154,11 @@ class ReplicaGroups:
     def start_step(self) -> list[int]:
         """The quorum for the next step (recovering from a peer first if this group is behind);
         returns the replica shares of the global batch this group trains in it."""
-        self.recovered_at = None
-        self.manager.start_quorum()
+        self.recovered_at, self.recovered = None, False
+        started = time.perf_counter()
+        self.manager.start_quorum()  # a group behind the others receives their state in it (_load)
+        if self.recovered:
+            self.recovered_at = time.perf_counter() - started
         n, rank = self.manager.num_participants(), self.manager.participating_rank()
         if rank is None:  # healing failed or no room: train nothing, commit nothing
             self.participants = []
@@ -218,7 +221,6 @@ class ReplicaGroups:
         return {"params": [_local(p) for p in params], "optimizer": optim, "trainer": self.trainer_state[0]()}
 
     def _load(self, state: dict) -> None:
-        started = time.perf_counter()
         with torch.no_grad():
             for p, value, saved in zip(self.model.parameters(), state["params"], state["optimizer"]):
                 _local(p).copy_(value)
@@ -230,7 +232,7 @@ class ReplicaGroups:
                 else:
                     self.optimizer.state[p] = {k: _like(p, v) for k, v in saved.items()}
         self.trainer_state[1](state["trainer"])
-        self.recovered_at = time.perf_counter() - started
+        self.recovered = True
 
 
 def _buckets(tensors: list[torch.Tensor], elements: int) -> list[list[torch.Tensor]]:

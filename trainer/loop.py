@@ -146,7 +146,8 @@ class Trainer:
         shares = self.replicas.start_step()
         if self.replicas.recovered_at is not None:
             self.log(f"fault tolerance: recovered from a peer group at step {self.step} in "
-                     f"{self.replicas.recovered_at:.2f}s (weights, optimizer state and step; no checkpoint read)")
+                     f"{self.replicas.recovered_at:.2f}s (quorum, transfer and load of the weights, optimizer state "
+                     f"and step; no checkpoint read)")
         elif self.deferred_resume is not None and self.step == 0:
             self.watchdog.slow("resume")
             groups = [self.output_dir.parent / f"replica_group_{g}" / "checkpoints"
@@ -253,6 +254,9 @@ class Trainer:
         why = f"on a signal ({signal.Signals(received).name})" if received else "on a signal to another rank"
         if self.checkpointer is None:
             self.log(f"stopped at step {self.step} {why}; nothing was saved (checkpoint.enabled=false)")
+        elif self.replicas is not None and not self.replicas.saves_checkpoints():
+            self.log(f"stopped at step {self.step} {why}; this replica group saves no checkpoints (the quorum's "
+                     f"first group does); started again, it recovers from a peer group")
         else:
             self.log(f"checkpoint: stopped at step {self.step} {why}: saved {self.checkpoint_dir}/step_{self.step}; "
                      f"run the same command to go on from it (checkpoint.resume=auto)")
