@@ -120,6 +120,10 @@ MISTAKES = {
     "a replica group that is not one": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
                                                    "fault_tolerance.replica_group=2"],
                                         r"fault_tolerance.replica_group=2 must be one of the parallel.dp_replicate=2"),
+    "rollback with fault tolerance": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
+                                                 "training.spike.threshold=3", "training.spike.action=rollback",
+                                                 "checkpoint.enabled=true"],
+                                      r"training.spike.action=rollback cannot be combined with fault_tolerance"),
     "lighthouse not reachable": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
                                             "fault_tolerance.lighthouse=http://127.0.0.1:9", "distributed.timeout_s=1"],
                                  r"fault_tolerance.lighthouse=http://127.0.0.1:9 cannot be reached \(.*\) within "

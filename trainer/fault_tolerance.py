@@ -74,6 +74,9 @@ def check_fault_tolerance(job: JobConfig) -> None:
     for key in ("timeout_s", "quorum_timeout_s"):
         if not getattr(ft, key) > 0:
             raise ConfigError(f"fault_tolerance.{key}={getattr(ft, key)} must be > 0 seconds")
+    if job.training.spike.threshold is not None and job.training.spike.action == "rollback":
+        raise ConfigError("training.spike.action=rollback cannot be combined with fault_tolerance.enabled=true: the "
+                          "replica groups hold different checkpoints and would roll back apart; use skip")
     if job.training.global_batch_size % groups:
         raise ConfigError(f"training.global_batch_size={job.training.global_batch_size} must be divisible by the "
                           f"parallel.dp_replicate={groups} replica groups")
