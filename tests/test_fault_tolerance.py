@@ -16,7 +16,7 @@ from helpers import ENV, REPO, read_metrics, train_metrics
 
 pytest.importorskip("torchft")
 
-STEPS = 24
+STEPS = 32  # long enough that group 1, started again at step 8, finds group 0 still training
 RUN = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
        "training.global_batch_size=8", "training.lr=3e-3", "training.warmup_steps=2", "metrics.log_every=1")
 FT = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "fault_tolerance.enabled=true",

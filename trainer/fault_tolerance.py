@@ -81,15 +81,17 @@ def check_fault_tolerance(job: JobConfig) -> None:
         raise ConfigError(f"training.global_batch_size={job.training.global_batch_size} must be divisible by the "
                           f"parallel.dp_replicate={groups} replica groups")
     torchft()
-    address = lighthouse_address(ft)
-    if address is None:
+    if lighthouse_address(ft) is None:
         raise ConfigError("fault_tolerance.lighthouse is not set (nor $TORCHFT_LIGHTHOUSE): the lighthouse's address, "
                           "e.g. http://localhost:29510 (scripts/ft_local.sh starts one)")
-    check_reachable(address, job.distributed.timeout_s)
 
 
-def check_reachable(address: str, timeout_s: float) -> None:
-    """A config error unless something listens at the lighthouse's address within `timeout_s`."""
+def check_lighthouse(job: JobConfig) -> None:
+    """Under fault tolerance, a config error unless the lighthouse listens within distributed.timeout_s
+    (what the job needs of the world outside it; the config rules above need nothing)."""
+    if not job.fault_tolerance.enabled:
+        return
+    address, timeout_s = lighthouse_address(job.fault_tolerance), job.distributed.timeout_s
     url = urlparse(address if "://" in address else f"http://{address}")
     deadline = time.monotonic() + timeout_s
     while True:

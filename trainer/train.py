@@ -18,7 +18,7 @@ from trainer.config import JobConfig
 from trainer.data import build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError, TrainingStopped
-from trainer.fault_tolerance import group_output_dir, group_view
+from trainer.fault_tolerance import check_lighthouse, group_output_dir, group_view
 from trainer.loop import Trainer
 from trainer.models import import_modules
 from trainer.output import OutputLock, check_writable
@@ -46,6 +46,7 @@ def run(cfg: DictConfig) -> None:
     import_modules(job.imports)
     device = resolve_device(job.device)
     dims, checkpoint = check_config(job, world_size())
+    check_lighthouse(job)
     check_rerun(OmegaConf.to_container(cfg, resolve=True), checkpoint, job.output_dir)
     check_writable(job.output_dir)
     try:
