@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.float8 import plain
+from trainer.tensors import local_tensor
 
 INSTALL = 'pip install -e ".[ft]"'
 # Gradients all-reduced across groups at once: the fp32 copy the all-reduce needs is this large.
@@ -149,7 +150,6 @@ class ReplicaGroups:
             timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=job.distributed.timeout_s))
         self.recovered, self.recovered_at = False, None  # the last quorum's recovery, and its seconds
-        self.participants: list[int] = []  # the groups' shares this group trains this step
         self.said = (self.groups, True)
 
     def set_step(self, step: int) -> None:
@@ -166,16 +166,16 @@ class ReplicaGroups:
             self.recovered_at = time.perf_counter() - started
         n, rank = self.manager.num_participants(), self.manager.participating_rank()
         if rank is None:  # healing failed or no room: train nothing, commit nothing
-            self.participants = []
+            shares = []
         elif self.keep:
-            self.participants = [share for share in range(self.groups) if share % n == rank]
+            shares = [share for share in range(self.groups) if share % n == rank]
         else:
-            self.participants = [self.group]
+            shares = [self.group]
         if (n, self.keep) != self.said:
             self.said = (n, self.keep)
             what = "the whole global batch" if self.keep else f"{n} of {self.groups} shares of the global batch"
             self.log(f"fault tolerance: {n} of {self.groups} replica groups in this step; it trains {what}")
-        return self.participants
+        return shares
 
     def reduce(self, parameters, loss: torch.Tensor) -> torch.Tensor:
         """Sums the groups' gradient shards and losses across groups into the mean over the global
@@ -254,8 +254,7 @@ def _buckets(tensors: list[torch.Tensor], elements: int) -> list[list[torch.Tens
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    t = plain(t)
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_tensor(plain(t))  # (a float8 weight's plain tensor)
 
 
 def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -234,8 +234,8 @@ class Trainer:
         back = roll_back(self.state, self.checkpoint_dir, self.checkpointer, self.log)
         if back is None:
             return False
-        position = self.loader.position(self.step)
-        self.loader.offset = position - back * self.training.global_batch_size
+        position = self.data.loader.position(self.step)
+        self.data.loader.offset = position - back * self.training.global_batch_size
         self.scheduler = self._scheduler(back)
         self.log(f"spike: step {self.step} skipped; rolled back to step {back}, reading on from sequence {position}")
         self.step = back
@@ -247,7 +247,7 @@ class Trainer:
         self.watchdog.slow("checkpoint")
         self.guard.check_stop()  # a stop pending since the last log stops here, before anything is written
         check_finite(self.parts, self.optimizer, self.step)
-        return self.state.for_save(self.step, self.loader.position(self.step))
+        return self.state.for_save(self.step, self.data.loader.position(self.step))
 
     def _say_stopped(self) -> None:
         received = self.stop.received
@@ -293,7 +293,6 @@ class Trainer:
                              dims.view("cp").get_local_rank(), eos_id,
                              partial(self.faults.corrupt, vocab_size=dataset.vocab_size),
                              self.job.parallel.dp_replicate if ft.enabled else 1, ft.replica_group if ft.enabled else 0)
-        self.loader = self.data.loader
 
     def _resume(self, checkpoint: CheckpointConfig, folders: list[Path] | None = None) -> int:
         """Loads what checkpoint.* asks for (resume=auto: from `folders`, by default this job's
@@ -305,15 +304,15 @@ class Trainer:
             self.log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
                      f"grad_accum_steps={dims.grad_accum_steps}, "
                      f"the global batch of {t.global_batch_size} sequences kept")
-        self.loader.offset = position - start_step * t.global_batch_size
+        self.data.loader.offset = position - start_step * t.global_batch_size
         return start_step
 
     def _progress(self) -> dict:
         """What a replica group recovering from this one needs besides the weights and optimizer state."""
-        return {"step": self.step, "data_offset": self.loader.offset}
+        return {"step": self.step, "data_offset": self.data.loader.offset}
 
     def _set_progress(self, progress: dict) -> None:
-        self.step, self.loader.offset = progress["step"], progress["data_offset"]
+        self.step, self.data.loader.offset = progress["step"], progress["data_offset"]
         self.scheduler = self._scheduler(self.step)
         self.throughput.reset(self.step)
 
