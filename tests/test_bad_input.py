@@ -32,12 +32,22 @@ def test_a_parquet_source_that_is_not_parquet(tmp_path):
         list(documents("parquet", str(tmp_path / "*.parquet")))
 
 
+QWEN3 = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10, "intermediate_size": 8,
+         "rms_norm_eps": 1e-6, "head_dim": 8}
+
+
 @pytest.mark.parametrize("config, message", [
     (None, r"is not a Hugging Face model directory: it has no config.json"),
     ("{not json", r"config.json is not JSON"),
     ({"model_type": "llama", "num_hidden_layers": 2}, r"config.json lacks hidden_size, num_attention_heads"),
     ({"model_type": "gpt2", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10,
-      "intermediate_size": 8, "rms_norm_eps": 1e-5}, r"model_type=gpt2 is not supported \(llama, mixtral\)"),
+      "intermediate_size": 8, "rms_norm_eps": 1e-5}, r"model_type=gpt2 is not supported \(llama, mixtral, qwen3, "
+                                                      r"qwen3_moe\)"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"], **QWEN3},
+     r"architectures=\['Qwen3ForSequenceClassification'\] is not supported \(Qwen3ForCausalLM"),
+    ({"model_type": "qwen3", "use_sliding_window": True, **QWEN3}, r"use_sliding_window=True is not supported"),
+    ({"model_type": "qwen3_moe", "decoder_sparse_step": 2, "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 8, **QWEN3}, r"dense layers between the sparse ones \(decoder_sparse_step"),
     ({"model_type": "mixtral", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10,
       "intermediate_size": 8, "rms_norm_eps": 1e-5}, r"config.json lacks num_local_experts: not a mixtral config"),
 ])
@@ -128,6 +138,21 @@ MISTAKES = {
                                             "fault_tolerance.lighthouse=http://127.0.0.1:9", "distributed.timeout_s=1"],
                                  r"fault_tolerance.lighthouse=http://127.0.0.1:9 cannot be reached \(.*\) within "
                                  r"distributed.timeout_s=1"),
+    # Qwen3 and the DeepSeek-V3 routing options.
+    "odd head dimension": (lambda p: ["model=qwen3_debug", "model.head_dim=33"],
+                           r"model.head_dim=33 \(a head's width: 33\) must be even: the rotary embedding"),
+    "shared experts with no MoE": (lambda p: ["model.n_shared_experts=1"],
+                                   r"model.n_shared_experts=1 needs a mixture-of-experts model"),
+    "groups not dividing the experts": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=3"],
+                                        r"model.n_expert_groups=3 must divide model.n_experts=16"),
+    "more top groups than groups": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=4",
+                                               "model.top_groups=5"],
+                                    r"model.top_groups=5 must be between 1 and model.n_expert_groups=4"),
+    "unknown route score": (lambda p: ["model=qwen3_moe_debug", "model.route_score=tanh"],
+                            r"model.route_score=tanh is unknown; choose one of \['softmax', 'sigmoid'\]"),
+    "aux-free bias with fault tolerance": (lambda p: ["model=qwen3_moe_debug", "model.bias_update_speed=0.001",
+                                                      "fault_tolerance.enabled=true", "parallel.dp_replicate=2"],
+                                           r"model.bias_update_speed=0.001 cannot be combined with fault_tolerance"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }

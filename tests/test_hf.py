@@ -9,7 +9,17 @@ import pytest
 import torch
 from helpers import REPO, launch, spawn
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from trainer import build_model, load_weights
 from trainer.checkpoint.hf import config_from_hf
@@ -26,12 +36,21 @@ FAMILIES = {
     "llama3_rope": lambda: LlamaForCausalLM(LlamaConfig(rope_parameters=LLAMA3_ROPE, max_position_embeddings=128,
                                                         **SHAPE)),
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SHAPE)),
+    # Heads wider than hidden_size / heads (32, not 16), tied embeddings.
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=32, tie_word_embeddings=True, rope_theta=1e6, **SHAPE)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+        **SHAPE)),
 }
 
 
 def hf_model(family: str, path):
     torch.manual_seed(0)
     model = FAMILIES[family]().eval()
+    with torch.no_grad():  # norm weights other than ones, so that a norm mapped to another shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
 

@@ -9,7 +9,7 @@ from helpers import spawn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer import build_model
-from trainer.models.moe import MoE, _expert_swiglu_loop, expert_swiglu
+from trainer.models.moe import MoE, Routing, _expert_swiglu_loop, expert_swiglu, update_expert_biases
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import parallelize_moe
 
@@ -143,6 +143,82 @@ def test_mixtral_debug_is_a_small_mixtral():
     model = build_model("mixtral_debug")
     assert isinstance(model.layers["0"].feed_forward, MoE)
     assert model(torch.randint(0, 2048, (2, 8))).shape == (2, 8, 2048)
+
+
+# --- DeepSeek-V3 routing ------------------------------------------------------------------------
+
+
+def test_sigmoid_scores_renormalised_scaled_within_the_best_groups():
+    """Router logits [3, 2, 0, 0] over 4 experts in 2 groups ({0, 1}, {2, 3}); a bias that favours
+    experts 2 and 3 for the choice moves their group ahead, but weights come from the scores."""
+    routing = Routing(score="sigmoid", scale=2.5, n_groups=2, top_groups=1, bias_update_speed=0.1)
+    layer, x = skewed_layer(routing=routing)
+    scores, chosen, weights = layer.route(layer.router(x.view(4, 4)))
+    assert chosen.tolist() == [[0, 1]] * 4
+    s = torch.tensor([3.0, 2.0]).sigmoid()
+    torch.testing.assert_close(weights, (2.5 * s / s.sum()).expand(4, 2))
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.6, 0.6]))
+    scores, chosen, weights = layer.route(layer.router(x.view(4, 4)))
+    assert chosen.sort(-1).values.tolist() == [[2, 3]] * 4
+    torch.testing.assert_close(weights, torch.full((4, 2), 2.5 / 2))  # sigmoid(0) each, renormalised
+
+
+def test_shared_experts_run_on_every_token_beside_the_routed_ones():
+    layer, x = skewed_layer(n_shared_experts=2)
+    plain = MoE(dim=4, ffn_dim=8, n_experts=4, top_k=2)
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("shared.")})
+    assert layer.shared.w1.weight.shape == (16, 4)  # two experts 8 wide, as one
+    torch.testing.assert_close(layer(x), plain(x) + layer.shared(x))
+
+
+def favoured_expert_run(steps: int, speed: float) -> tuple[torch.Tensor, list[float]]:
+    """A layer of 8 experts (top 2, sigmoid) whose router favours expert 0 for every token of the data;
+    the biases move after each step. -> (each step's slots per expert over the mean, expert 0's bias per step)."""
+    torch.manual_seed(0)
+    layer = MoE(dim=16, ffn_dim=8, n_experts=8, top_k=2, routing=Routing(score="sigmoid", bias_update_speed=speed))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.1)
+        layer.router.weight[0] = 0.5  # the data below points along the ones vector
+    loads, biases = [], []
+    for _ in range(steps):
+        x = 0.2 + 0.5 * torch.randn(4, 32, 16)
+        layer(x).sum().backward()
+        load = layer.routing_records[-1][0]
+        loads.append(load / load.mean())
+        update_expert_biases([layer], microbatches=1, skip=torch.tensor(0.0))
+        biases.append(0.0 if layer.expert_bias is None else layer.expert_bias[0].item())
+        layer.routing_records.clear()
+    return torch.stack(loads), biases
+
+
+def test_aux_loss_free_bias_evens_out_a_favoured_experts_load():
+    loads, biases = favoured_expert_run(steps=60, speed=0.05)
+    late = loads[-10:].mean(0)
+    print(f"aux-free bias: expert 0's load over the mean {loads[0, 0]:.2f} at step 1, {late[0]:.2f} over the last 10 "
+          f"steps; the busiest expert's {loads[0].max():.2f} -> {late.max():.2f}; expert 0's bias {biases[-1]:.2f}")
+    assert loads[0, 0] > 3.5  # nearly every token takes expert 0 (4.0: every token)
+    before = 0.0
+    for load, bias in zip(loads[:, 0].tolist(), biases):  # it falls by the speed after each overloaded step
+        if load > 1:
+            assert bias == pytest.approx(before - 0.05)
+        before = bias
+    assert biases[3] == pytest.approx(-0.2)
+    assert late[0] < 1.6 and late.max() < 1.6
+    # Without the bias the load stays where the router put it.
+    fixed, _ = favoured_expert_run(steps=60, speed=0.0)
+    assert fixed[-10:].mean(0)[0] > 3.5
+
+
+def test_a_skipped_step_leaves_the_bias_where_it_was():
+    layer, x = skewed_layer(routing=Routing(bias_update_speed=0.1))
+    layer(x).sum().backward()
+    update_expert_biases([layer], microbatches=1, skip=torch.tensor(1.0))
+    assert layer.expert_bias.abs().max() == 0
+    update_expert_biases([layer], microbatches=1, skip=torch.tensor(0.0))
+    # Experts 0 and 1 took every slot: they fall, 2 and 3 rise.
+    torch.testing.assert_close(layer.expert_bias, torch.tensor([-0.1, -0.1, 0.1, 0.1]))
 
 
 # --- expert parallel ----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ class ModelConfig:
     n_layers: int = 8
     n_heads: int = 16
     n_kv_heads: int = 8
+    head_dim: Optional[int] = None  # null: dim / n_heads (Qwen3 sets its own)
     vocab_size: int = 2048
     ffn_dim: int = 768
     norm_eps: float = 1e-5
@@ -46,6 +47,26 @@ class ModelConfig:
     # null: dropless. Otherwise each expert takes at most ceil(factor * tokens * top_k / n_experts)
     # slots per forward on each rank; the overflow is dropped and counted.
     capacity_factor: Optional[float] = None
+    # Routing options of any MoE family (DeepSeek-V3's). route_score: softmax | sigmoid, the scores the
+    # top_k are chosen from and weighted by; route_norm: the chosen weights renormalised to sum to 1;
+    # route_scale: then multiplied by this.
+    route_score: str = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    n_shared_experts: int = 0  # experts every token runs beside its routed ones, each ffn_dim wide
+    # The experts in n_expert_groups groups; each token chooses among the experts of its top_groups
+    # groups (a group's score: the sum of its two best experts' scores).
+    n_expert_groups: int = 1
+    top_groups: int = 1
+    # Aux-loss-free balancing: a per-expert bias added to the scores for the choice only, moved by this
+    # much after each step towards the even load (0: off).
+    bias_update_speed: float = 0.0
+
+
+
+def head_dim(model) -> int:
+    """The width of one attention head of a model config: model.head_dim, else dim / n_heads."""
+    return model.head_dim or model.dim // model.n_heads
 
 
 @dataclass

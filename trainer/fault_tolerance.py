@@ -78,6 +78,10 @@ def check_fault_tolerance(job: JobConfig) -> None:
     if job.training.spike.threshold is not None and job.training.spike.action == "rollback":
         raise ConfigError("training.spike.action=rollback cannot be combined with fault_tolerance.enabled=true: the "
                           "replica groups hold different checkpoints and would roll back apart; use skip")
+    if job.model.bias_update_speed > 0:
+        raise ConfigError(f"model.bias_update_speed={job.model.bias_update_speed} cannot be combined with "
+                          f"fault_tolerance.enabled=true: each replica group measures its own expert load, and their "
+                          f"biases would move apart; set model.bias_update_speed=0")
     if job.training.global_batch_size % groups:
         raise ConfigError(f"training.global_batch_size={job.training.global_batch_size} must be divisible by the "
                           f"parallel.dp_replicate={groups} replica groups")

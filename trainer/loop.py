@@ -27,6 +27,7 @@ from trainer.guards import StepGuard, check_finite
 from trainer.memory import COUNTED_STEPS, TensorMemory, peak_memory_gib, peak_tensor_gib
 from trainer.metrics import MetricsLogger, MoEStats, Throughput, flops_per_token, peak_tflops
 from trainer.models import family
+from trainer.models.moe import update_expert_biases
 from trainer.optim import build_optimizer, build_scheduler, clip_and_sum_loss_
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import sum_grads_over_tp
@@ -176,14 +177,15 @@ class Trainer:
         self.faults.after_backward(step, self.model.parameters())
         self.watchdog.phase("optimizer")
         sum_grads_over_tp(self.parts, self.dims)
-        if self.moe_stats is not None:
-            microbatches = self.dims.grad_accum_steps * self.dims.pp_microbatches * len(rounds)
-            self.moe_stats.collect(self.parts, self.spec, microbatches)
         if self.replicas is not None:
             loss = self.replicas.reduce(self.model.parameters(), loss)
         grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm, loss)
         # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
         self.optimizer.found_inf = self.guard.check(step, loss_sum / self.loss_holders, grad_norm)
+        if self.moe_stats is not None:
+            microbatches = self.dims.grad_accum_steps * self.dims.pp_microbatches * len(rounds)
+            update_expert_biases(self.parts, microbatches, skip=self.optimizer.found_inf)
+            self.moe_stats.collect(self.parts, self.spec, microbatches)
         lr = self.scheduler.get_last_lr()[0]
         if self.replicas is not None and not self.replicas.commit():
             self.optimizer.zero_grad(set_to_none=True)

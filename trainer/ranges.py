@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
+from trainer.config import head_dim
 from trainer.errors import ConfigError
 
 
@@ -24,6 +25,7 @@ def _not_negative(v) -> bool:
 RANGES = {
     **{f"model.{key}": ("must be >= 1", _at_least_one)
        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")},
+    "model.head_dim": ("must be >= 1, or null (dim / n_heads)", _at_least_one),
     "model.norm_eps": ("must be > 0", _positive),
     "model.rope_theta": ("must be > 0", _positive),
     "model.n_experts": ("must be >= 0 (0: a dense model)", _not_negative),
@@ -50,8 +52,17 @@ def check_ranges(job) -> None:
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} {rule}")
     m = job.model
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (the heads split it)")
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (the heads split it; or set "
+                          f"model.head_dim)")
+    if head_dim(m) % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} (a head's width: {head_dim(m)}) must be even: the rotary "
+                          f"embedding turns pairs of dimensions")
+    if not m.n_experts:
+        for key, dense in (("n_shared_experts", 0), ("n_expert_groups", 1), ("bias_update_speed", 0.0)):
+            if getattr(m, key) != dense:
+                raise ConfigError(f"model.{key}={getattr(m, key)} needs a mixture-of-experts model "
+                                  f"(model.n_experts > 0)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
                           f"(each key/value head serves a group of query heads)")

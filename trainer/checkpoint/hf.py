@@ -54,30 +54,40 @@ def config_from_hf(path: Path) -> ModelConfig:
     if spec is None:
         supported = ", ".join(s.hf.model_type for s in map(family, families()) if s.hf is not None)
         raise ConfigError(f"{path}/config.json: model_type={hf.get('model_type')} is not supported ({supported})")
+    architectures = hf.get("architectures") or [spec.hf.architecture]
+    if spec.hf.architecture not in architectures:
+        raise ConfigError(f"{path}/config.json: architectures={architectures} is not supported "
+                          f"({spec.hf.architecture} for model_type={spec.hf.model_type})")
     # transformers 5 writes rope_parameters; earlier versions rope_theta and rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     unsupported = {"attention_bias": True, "mlp_bias": True}
     for key, bad in unsupported.items():
         if hf.get(key) == bad:
             raise ConfigError(f"{path}/config.json: {key}={bad} is not supported")
-    if head_dim * hf["num_attention_heads"] != hf["hidden_size"] or hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{path}/config.json: head_dim * heads must equal hidden_size, with silu activations")
-    return ModelConfig(
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{path}/config.json: hidden_act={hf['hidden_act']} is not supported (silu)")
+    fields = dict(
         family=spec.family, name=path.name, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings")), **_family_fields(spec, hf, path),
+        tie_embeddings=bool(hf.get("tie_word_embeddings")), head_dim=hf.get("head_dim"),
     )
+    fields |= _family_fields(spec, hf, path)
+    if fields["head_dim"] == fields["dim"] // fields["n_heads"]:
+        fields["head_dim"] = None  # the default: dim / n_heads
+    return ModelConfig(**fields)
 
 
 def _family_fields(spec, hf: dict, path: Path) -> dict:
+    """The family's own fields (overriding the shared ones it reads otherwise, e.g. an MoE's expert width)."""
     try:
         return spec.hf.config_fields(hf)
     except KeyError as e:
         raise ConfigError(f"{path}/config.json lacks {e.args[0]}: not a {spec.family} config") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}/{e}") from None
 
 
 def _rope_scaling_from_hf(rope: dict, path: Path) -> RopeScaling | None:

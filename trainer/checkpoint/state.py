@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.checkpoint.files import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
 from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, head_dim
 from trainer.errors import ConfigError
 from trainer.float8 import plain
 from trainer.models import model_config
@@ -169,8 +169,8 @@ def saved_config(path: Path) -> ModelConfig | None:
     return model_config(OmegaConf.load(file)) if file.is_file() else None
 
 
-_SAME = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
-         "n_experts", "top_k", "tie_embeddings")
+_SAME = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "norm_eps",
+         "rope_theta", "n_experts", "top_k", "n_shared_experts", "tie_embeddings")
 
 
 def check_model(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None:
@@ -179,6 +179,8 @@ def check_model(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None
         return
     for name in _SAME:
         a, b = getattr(saved, name), getattr(ours, name)
+        if name == "head_dim":  # null is dim / n_heads
+            a, b = head_dim(saved), head_dim(ours)
         if a != b and not (isinstance(a, float) and abs(a - b) <= 1e-9 * abs(b)):
             raise CheckpointError(f"{what} holds a model with model.{name}={a}, but this model has model.{name}={b}")
 

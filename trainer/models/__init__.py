@@ -76,8 +76,11 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """Fills every parameter from a generator seeded by (seed, parameter name).
 
     Each full tensor is drawn whole and each rank keeps its own shard of it, so the model is the
-    same whatever the sharding: the condition for parity between layouts.
+    same whatever the sharding: the condition for parity between layouts. Buffers (the MoE layers'
+    expert biases) start at zero.
     """
+    for buffer in model.buffers():
+        buffer.zero_()
     for name, param in model.named_parameters():
         local = local_tensor(param)
         full = torch.empty(param.shape, dtype=param.dtype, device=local.device)

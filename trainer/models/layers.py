@@ -5,7 +5,7 @@ Written as plain operators, an RMSNorm saves its input upcast to float32 and the
 `silu(gate) * up` saves the SiLU's output beside gate and up. Here the norm saves its input as
 it came and one float32 scale per token, and the product saves gate and up only; backward
 recomputes the rest (elementwise work). Forward computes exactly what torch's `nn.RMSNorm` and
-`F.silu(gate) * up` compute.
+`F.silu(gate) * up` compute. FeedForward is the SwiGLU block built from that product.
 """
 
 from __future__ import annotations
@@ -67,3 +67,16 @@ class _SwiGLU(torch.autograd.Function):
         # The plain operators' backward, with the SiLU recomputed: silu_backward is the SiLU's own
         # derivative kernel (one pass, computed in float32 for bf16 as torch's autograd does).
         return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+class FeedForward(nn.Module):
+    """The SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x)))

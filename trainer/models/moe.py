@@ -1,9 +1,12 @@
-"""A sparse mixture-of-experts feed-forward layer (Mixtral). Plain PyTorch.
+"""A sparse mixture-of-experts feed-forward layer (Mixtral, Qwen3-MoE, DeepSeek-V3 routing). Plain PyTorch.
 
 A router scores each token against every expert; the token goes to its `top_k` experts, weighted
-by a softmax over the selected scores. Tokens are sorted by expert so that each expert runs once
-on a contiguous slice (`GroupedExperts`): that call, given tokens in expert order and a count per
-expert, is the seam where expert parallelism exchanges tokens between ranks.
+by their scores (`Routing`: softmax or sigmoid scores, renormalised and scaled, optionally chosen
+within the best groups of experts and with a per-expert bias that balances the load without an
+auxiliary loss). Shared experts, if any, run on every token beside the routed ones. Tokens are
+sorted by expert so that each expert runs once on a contiguous slice (`GroupedExperts`): that
+call, given tokens in expert order and a count per expert, is the seam where expert parallelism
+exchanges tokens between ranks.
 
 Auxiliary losses (the Switch/Mixtral load-balancing loss and an optional router z-loss) never
 appear in the model's output: they are attached to the layer's output so that backward gives them
@@ -16,12 +19,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.layers import swiglu
+from trainer.errors import ConfigError
+from trainer.models.layers import FeedForward, swiglu
 
 
 class GroupedExperts(nn.Module):
@@ -90,15 +95,41 @@ def _expert_swiglu_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     return torch.cat(out)
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a token's experts are chosen and weighted (the defaults are Mixtral's).
+
+    `score`: softmax | sigmoid of the router's logits; the top_k are chosen from the scores plus
+    the expert bias (when `bias_update_speed` > 0) among the experts of the token's `top_groups`
+    best groups of `n_groups` (a group's score: its two best experts'); the chosen experts'
+    scores, renormalised to sum to 1 if `norm`, times `scale`, weight their outputs."""
+
+    score: str = "softmax"
+    norm: bool = True
+    scale: float = 1.0
+    n_groups: int = 1
+    top_groups: int = 1
+    bias_update_speed: float = 0.0
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, capacity_factor: float | None = None):
+                 z_loss_coef: float = 0.0, capacity_factor: float | None = None, routing: Routing = Routing(),
+                 n_shared_experts: int = 0):
         super().__init__()
         self.top_k = top_k
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor = capacity_factor
+        self.routing = routing
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(dim, ffn_dim, n_experts)
+        # Shared experts: one SwiGLU as wide as all of them, on every token.
+        self.shared = FeedForward(dim, n_shared_experts * ffn_dim) if n_shared_experts else None
+        # Aux-loss-free balancing's bias: training state (checkpointed), moved by update_expert_biases.
+        if routing.bias_update_speed > 0:
+            self.register_buffer("expert_bias", torch.zeros(n_experts))
+        else:
+            self.expert_bias = None
         # The auxiliary losses' gradient is scaled like the training loss's: by 1/microbatches when
         # the trainer averages a step's microbatches (see set_aux_loss_scale).
         self.aux_loss_scale = 1.0
@@ -111,22 +142,42 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        # Before the tokens are flattened: under tensor parallel the shared experts gather the sequence.
+        shared = self.shared(x) if self.shared is not None else None
         x = x.reshape(-1, shape[-1])
         n_experts = self.router.out_features
         logits = self.router(x).float()
-        top_logits, chosen = logits.topk(self.top_k, dim=-1)
-        weights = top_logits.softmax(dim=-1).to(x.dtype)
+        scores, chosen, weights = self.route(logits)
 
-        out, routed, counts = self.dispatch(x, chosen, weights)
+        out, routed, counts = self.dispatch(x, chosen, weights.to(x.dtype))
 
         # Switch/Mixtral: n_experts * sum_e (share of slots routed to e) * (mean router probability of e).
         # The shares are the whole batch's; each rank's mean probability is its share of the batch
-        # mean, which the gradient averaging over ranks completes.
+        # mean, which the gradient averaging over ranks completes. Sigmoid scores are normalised per token.
+        probs = scores if self.routing.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         share = self.batch_counts(routed.float())
-        balance = n_experts * (share / share.sum() * self.top_k * logits.softmax(dim=-1).mean(0)).sum()
+        balance = n_experts * (share / share.sum() * self.top_k * probs.mean(0)).sum()
         aux = self.aux_loss_coef * balance + self.z_loss_coef * logits.logsumexp(dim=-1).square().mean()
         stats = (routed.detach().float(), balance.detach(), (routed - counts).sum().detach())
-        return _AttachAuxLoss.apply(out, aux, self, stats).view(shape)
+        out = _AttachAuxLoss.apply(out, aux, self, stats).view(shape)
+        return out if shared is None else out + shared
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 logits [tokens, n_experts] -> (scores, chosen experts [tokens, top_k], their weights)."""
+        r = self.routing
+        scores = logits.softmax(dim=-1) if r.score == "softmax" else logits.sigmoid()
+        choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
+        if r.n_groups > 1:
+            grouped = choice.unflatten(-1, (r.n_groups, -1))
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            best = group_scores.topk(r.top_groups, dim=-1).indices
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+            choice = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+        chosen = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if r.norm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, chosen, weights * r.scale if r.scale != 1.0 else weights
 
     @torch.compiler.disable
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
@@ -203,6 +254,66 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_from_config(cfg) -> MoE:
+    """A model config's MoE layer. Its auxiliary losses are averaged over the layers, so their
+    coefficients do not grow with depth."""
+    routing = Routing(score=cfg.route_score, norm=cfg.route_norm, scale=cfg.route_scale, n_groups=cfg.n_expert_groups,
+                      top_groups=cfg.top_groups, bias_update_speed=cfg.bias_update_speed)
+    return MoE(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.aux_loss_coef / cfg.n_layers,
+               cfg.z_loss_coef / cfg.n_layers, cfg.capacity_factor, routing, cfg.n_shared_experts)
+
+
+SCORES = ("softmax", "sigmoid")
+
+
+def check_routing(cfg) -> None:
+    """The routing keys' rules (ConfigError)."""
+    if cfg.route_score not in SCORES:
+        raise ConfigError(f"model.route_score={cfg.route_score} is unknown; choose one of {list(SCORES)}")
+    if cfg.route_scale <= 0:
+        raise ConfigError(f"model.route_scale={cfg.route_scale} must be > 0")
+    if cfg.n_shared_experts < 0 or cfg.bias_update_speed < 0:
+        key = "n_shared_experts" if cfg.n_shared_experts < 0 else "bias_update_speed"
+        raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 0")
+    groups = cfg.n_expert_groups
+    if groups < 1 or cfg.n_experts % groups:
+        raise ConfigError(f"model.n_expert_groups={groups} must divide model.n_experts={cfg.n_experts}")
+    if not 1 <= cfg.top_groups <= groups:
+        raise ConfigError(f"model.top_groups={cfg.top_groups} must be between 1 and model.n_expert_groups={groups}")
+    if cfg.top_k > cfg.top_groups * (cfg.n_experts // groups):
+        raise ConfigError(f"model.top_k={cfg.top_k} is more than the experts of model.top_groups={cfg.top_groups} "
+                          f"groups ({cfg.top_groups * (cfg.n_experts // groups)})")
+
+
+# The routing transformers' Mixtral and Qwen3-MoE compute: any other has no Hugging Face form.
+HF_ROUTING = {"route_score": "softmax", "route_scale": 1.0, "n_shared_experts": 0, "n_expert_groups": 1,
+              "bias_update_speed": 0.0}
+
+
+def check_hf_routing(cfg, architecture: str) -> None:
+    for key, value in HF_ROUTING.items():
+        if getattr(cfg, key) != value:
+            raise ConfigError(f"model.{key}={getattr(cfg, key)}: transformers' {architecture} has no such routing "
+                              f"(model.{key}={value}); this model has no Hugging Face form")
+
+
+@torch.no_grad()
+def update_expert_biases(parts: list[nn.Module], microbatches: int, skip: torch.Tensor) -> None:
+    """Aux-loss-free balancing, once a step: each expert's bias moves by `bias_update_speed` towards
+    the even load, down for an expert that took more than its layer's mean of the step's slots, up
+    for one that took fewer. The load is the whole batch's (each layer's last `microbatches`
+    records, summed over the ranks that route different tokens in one all-reduce for every layer),
+    so every rank moves its copy alike. Nothing moves on a skipped step (`skip` 1.0). No host sync."""
+    layers = [layer for part in parts for layer in moe_layers(part) if layer.expert_bias is not None]
+    if not layers:
+        return
+    load = torch.stack([sum(record[0] for record in layer.routing_records[-microbatches:]) for layer in layers])
+    load = layers[0].batch_counts(load)
+    moves = torch.sign(load.mean(-1, keepdim=True) - load) * (1 - skip)
+    for layer, move in zip(layers, moves):
+        layer.expert_bias += layer.routing.bias_update_speed * move
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

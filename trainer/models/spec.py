@@ -25,6 +25,7 @@ class Shapes:
     ffn_dim: int
     n_heads: int
     n_kv_heads: int
+    head_dim: int
     vocab: int
     tp: int
     cp: int
@@ -34,6 +35,7 @@ class Shapes:
     act_bytes: int  # bytes per element of activations (the compute dtype)
     n_experts: int = 0
     top_k: int = 0
+    n_shared_experts: int = 0
     expert_load: float = 1.0  # the slots this rank's experts take, over an even share
     loss_chunk: int | None = None  # tokens per chunk of the output head and loss (None: all at once)
 

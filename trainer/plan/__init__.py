@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from trainer.config import JobConfig
+from trainer.config import head_dim as model_head_dim
 from trainer.errors import ConfigError
 from trainer.metrics import flops_per_token
 from trainer.models import family
@@ -114,12 +115,13 @@ FLOAT8_EFFICIENCY = 0.6
 def float8_share(m) -> float:
     """The share of a block's parameters in linear layers float8 converts: all but the experts'
     (grouped GEMMs, left in the compute dtype) and the router's."""
-    head_dim = m.dim // m.n_heads
+    head_dim = model_head_dim(m)
     attention = 2 * m.dim * head_dim * (m.n_heads + m.n_kv_heads)
     ffn = 3 * m.dim * m.ffn_dim
     if not m.n_experts:
         return 1.0
-    return attention / (attention + m.n_experts * ffn + m.dim * m.n_experts)
+    dense = attention + m.n_shared_experts * ffn  # the shared experts are plain linear layers
+    return dense / (dense + m.n_experts * ffn + m.dim * m.n_experts)
 
 
 def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: float = 1.0) -> Plan:
@@ -132,9 +134,9 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     per_microbatch = t.global_batch_size // (dims.dp * dims.grad_accum_steps * dims.pp_microbatches)
     shapes = Shapes(
         tokens=per_microbatch * t.seq_len // dims.cp, dim=m.dim, ffn_dim=m.ffn_dim,
-        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
+        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=model_head_dim(m), vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
         sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k, expert_load=expert_load,
+        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts, expert_load=expert_load,
         loss_chunk=t.loss_chunk_tokens,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
@@ -162,7 +164,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     # checkpointing recomputes element-wise work, not counted in the FLOPs, and under half_mm some
     # matmuls.
     extra = (2 if schedule in ZERO_BUBBLE else 1) * share
-    blocks_matmul = flops - 12 * m.n_layers * m.dim * t.seq_len - 6 * m.dim * m.vocab_size
+    blocks_matmul = flops - 12 * m.n_layers * m.n_heads * model_head_dim(m) * t.seq_len - 6 * m.dim * m.vocab_size
     if t.activation_checkpoint == "selective" and t.selective_policy == "half_mm":
         # Every second matmul of a block runs again: about half of the blocks' matmul forward.
         extra += 0.5 * blocks_matmul / flops
@@ -170,7 +172,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
     units = [u for s in busiest for u in s.units]
-    head = m.dim // m.n_heads
+    head = model_head_dim(m)
     stream = shapes.tokens * m.dim * act_bytes
     peak_tflops = device.peak_tflops(dtype)
     compute_tflops = peak_tflops

@@ -4,6 +4,7 @@ mapping and FLOP count, registered as `model.family=llama`."""
 from __future__ import annotations
 
 from trainer.config import ModelConfig
+from trainer.config import head_dim as model_head_dim
 from trainer.errors import ConfigError
 from trainer.models.llama import memory
 from trainer.models.llama.hf import HF
@@ -14,14 +15,14 @@ from trainer.models.spec import ModelSpec, register_family
 
 def attention_flops(cfg: ModelConfig, seq_len: int) -> tuple[int, int]:
     """(weights that multiply per layer in attention, FLOPs per token of its score and value products)."""
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = model_head_dim(cfg)
     weights = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    return weights, 12 * cfg.dim * seq_len
+    return weights, 12 * cfg.n_heads * head_dim * seq_len
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight that multiplies (all but the embedding lookup) plus
-    attention's score and value products (12 * layers * dim * seq_len; causal masking not discounted)."""
+    attention's score and value products (12 * layers * heads * head_dim * seq_len; causal masking not discounted)."""
     attention, scores = attention_flops(cfg, seq_len)
     matmul_weights = cfg.n_layers * (attention + 3 * cfg.dim * cfg.ffn_dim) + cfg.dim * cfg.vocab_size
     return 6 * matmul_weights + cfg.n_layers * scores

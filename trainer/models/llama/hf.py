@@ -7,6 +7,7 @@ in the q/k/v rows, as transformers' Llama does, so q_proj and k_proj map over un
 from __future__ import annotations
 
 from trainer.config import ModelConfig
+from trainer.config import head_dim as model_head_dim
 from trainer.models.spec import HFMapping
 
 
@@ -43,7 +44,7 @@ def names(cfg: ModelConfig) -> dict[str, str]:
 def config(cfg: ModelConfig, common: dict):
     from transformers import LlamaConfig
 
-    return LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, mlp_bias=False, **common)
+    return LlamaConfig(head_dim=model_head_dim(cfg), attention_bias=False, mlp_bias=False, **common)
 
 
 HF = HFMapping(model_type="llama", architecture="LlamaForCausalLM", config_fields=lambda hf: {}, config=config,

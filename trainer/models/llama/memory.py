@@ -13,14 +13,14 @@ def stream_tokens(s: Shapes) -> int:
 
 def attention_saved(s: Shapes) -> tuple[float, float]:
     """(elements in the compute dtype, fp32 elements) the norms and attention of a block save."""
-    t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
+    t, tp, head = s.tokens, s.tp, s.head_dim
     elements = 2 * stream_tokens(s) * s.dim  # the two norms' inputs (and a float32 scale per token)
     elements += 2 * t * s.dim  # the (gathered) inputs of the q/k/v and the feed-forward projections
-    kv = t * s.n_kv_heads * head // tp
-    elements += t * s.dim // tp + 2 * kv  # q, k, v (after the rotary embedding)
+    q, kv = t * s.n_heads * head // tp, t * s.n_kv_heads * head // tp
+    elements += q + 2 * kv  # q, k, v (after the rotary embedding)
     # Attention's output: the kernels lay it out [batch, seq, heads, head_dim], so the output projection's
     # input is a view of it.
-    elements += t * s.dim // tp
+    elements += q
     if s.cp > 1 and s.cp_method == "allgather":
         elements += 2 * kv * s.cp  # the gathered keys and values
     # Attention's log-sum-exp, the rotary cos and sin, the norms' scales.
@@ -39,14 +39,14 @@ def attention_kept(s: Shapes, policy: str) -> tuple[float, float]:
     the block's input and attention keep: the outputs of its matmuls (under `half_mm` the first and
     third, q and v, but not k or the output projection's), its attention and the collectives that
     reduce into the residual stream."""
-    t, tp, head = s.tokens, s.tp, s.dim // s.n_heads
+    t, tp, head = s.tokens, s.tp, s.head_dim
     stream = stream_tokens(s)
-    kv = t * s.n_kv_heads * head // tp
+    q, kv = t * s.n_heads * head // tp, t * s.n_kv_heads * head // tp
     reduced = stream * s.dim if tp > 1 else 0  # with tensor parallel, the reduced copies
     # The output projections' products, and their reduced copies.
     into_stream = (t * s.dim if policy == "ops" else 0) + reduced
-    projections = t * s.dim // tp + (2 if policy == "ops" else 1) * kv
-    return stream * s.dim + projections + t * s.dim // tp + into_stream, into_stream
+    projections = q + (2 if policy == "ops" else 1) * kv
+    return stream * s.dim + projections + q + into_stream, into_stream
 
 
 def selective_bytes(s: Shapes, policy: str) -> float:

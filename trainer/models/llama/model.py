@@ -13,9 +13,10 @@ import math
 import torch
 from torch import nn
 
+from trainer.config import head_dim
 from trainer.models.attention import CausalAttention
 from trainer.models.head import LMHead
-from trainer.models.layers import RMSNorm, swiglu
+from trainer.models.layers import FeedForward, RMSNorm
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
@@ -69,14 +70,23 @@ def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rope_theta: float, rope_scaling=None):
+    """Grouped-query attention with rotary embeddings. `qk_norm` (Qwen3): each head's queries and keys
+    pass an RMSNorm over the head dimension (one weight shared by the heads) before the rotation."""
+
+    def __init__(self, cfg, qk_norm: bool = False):
         super().__init__()
-        self.head_dim = dim // n_heads
-        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        dim, n_heads, n_kv_heads = cfg.dim, cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = head_dim(cfg)
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.sdpa = CausalAttention()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -87,6 +97,8 @@ class Attention(nn.Module):
         q = q.view(batch, seq, -1, self.head_dim)
         k = k.view(batch, seq, -1, self.head_dim)
         v = v.view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
         cos, sin = rope_cos_sin(positions, freqs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -94,23 +106,11 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
-
-
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, norm_eps: float, rope_theta: float,
-                 feed_forward: nn.Module, rope_scaling=None):
+    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(dim, eps=norm_eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads, rope_theta, rope_scaling)
+        self.attention = attention
         self.ffn_norm = RMSNorm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
 
@@ -126,16 +126,16 @@ class Llama(nn.Module):
         self.n_layers = cfg.n_layers
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, cfg.rope_theta,
-                                         self.make_feed_forward(cfg), cfg.rope_scaling)
-                for i in range(cfg.n_layers)
-            }
+            {str(i): TransformerBlock(cfg.dim, cfg.norm_eps, self.make_attention(cfg), self.make_feed_forward(cfg))
+             for i in range(cfg.n_layers)}
         )
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = LMHead(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+
+    def make_attention(self, cfg) -> nn.Module:
+        return Attention(cfg)
 
     def make_feed_forward(self, cfg) -> nn.Module:
         return FeedForward(cfg.dim, cfg.ffn_dim)
@@ -163,6 +163,7 @@ class Llama(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2")):
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2",
+                          "feed_forward.shared.w2.weight")):
             return 0.02 / math.sqrt(2 * self.n_layers)
         return 0.02

@@ -15,6 +15,7 @@ from trainer.models.llama.hf import attention_names, edge_names
 from trainer.models.llama.parallelize import attention_plan, edge_plan
 from trainer.models.mixtral import memory
 from trainer.models.mixtral.model import Mixtral
+from trainer.models.moe import check_hf_routing, check_routing
 from trainer.models.spec import HFMapping, ModelSpec, register_family
 
 
@@ -30,23 +31,26 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """As Llama's, with top_k experts' feed-forwards per token and the router."""
+    """As Llama's, with top_k routed and the shared experts' feed-forwards per token and the router."""
     attention, scores = attention_flops(cfg, seq_len)
-    ffn = 3 * cfg.dim * cfg.ffn_dim * cfg.top_k + cfg.dim * cfg.n_experts
+    ffn = 3 * cfg.dim * cfg.ffn_dim * (cfg.top_k + cfg.n_shared_experts) + cfg.dim * cfg.n_experts
     return 6 * (cfg.n_layers * (attention + ffn) + cfg.dim * cfg.vocab_size) + cfg.n_layers * scores
 
 
 def check(cfg: ModelConfig) -> None:
+    """The rules of every MoE family's config."""
     if cfg.n_experts < 1:
-        raise ConfigError(f"model.n_experts={cfg.n_experts} must be >= 1 for model.family=mixtral")
+        raise ConfigError(f"model.n_experts={cfg.n_experts} must be >= 1 for model.family={cfg.family}")
     if not 1 <= cfg.top_k <= cfg.n_experts:
         raise ConfigError(f"model.top_k={cfg.top_k} must be between 1 and model.n_experts={cfg.n_experts}")
     if cfg.capacity_factor is not None and cfg.capacity_factor <= 0:
         raise ConfigError(f"model.capacity_factor={cfg.capacity_factor} must be > 0, or null for dropless routing")
+    check_routing(cfg)
 
 
 def checkpoint_regions(block: nn.Module) -> list[nn.Module]:
-    return [block.attention, block.feed_forward.experts]
+    moe = block.feed_forward
+    return [block.attention, moe.experts, *([moe.shared] if moe.shared is not None else [])]
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, str | list[str]]:
@@ -66,6 +70,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, str | list[str]]:
 def hf_config(cfg: ModelConfig, common: dict):
     from transformers import MixtralConfig
 
+    check_hf_routing(cfg, "Mixtral")
     return MixtralConfig(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                          router_aux_loss_coef=cfg.aux_loss_coef, **common)
 

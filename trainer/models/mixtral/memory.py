@@ -1,5 +1,6 @@
 """Mixtral's terms for the memory plan: Llama's attention, and the router and dropless experts in place
-of the feed-forward (each token's top_k copies, the expert load assumed even unless given)."""
+of the feed-forward (each token's top_k copies, the expert load assumed even unless given), and the
+shared experts, a tensor-parallel feed-forward on every token."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ def slots(s: Shapes) -> float:
     return s.tokens * s.top_k // (s.tp if s.sequence_parallel and s.tp > 1 else 1)
 
 
+def shared_elements(s: Shapes, kept: int) -> float:
+    """The shared experts' saved elements: `kept` of their gate, up and SiLU-product outputs, and
+    their input gathered over the tp ranks (its own copy only under tensor parallel)."""
+    if not s.n_shared_experts:
+        return 0
+    return kept * s.tokens * s.n_shared_experts * s.ffn_dim // s.tp + (s.tokens * s.dim if s.tp > 1 else 0)
+
+
 def activation_bytes(s: Shapes) -> float:
     elements, fp32 = attention_saved(s)
-    elements += slots(s) * s.expert_load * (2 * s.dim + 3 * s.ffn_dim)
+    elements += slots(s) * s.expert_load * (2 * s.dim + 3 * s.ffn_dim) + shared_elements(s, 3)
     fp32 += stream_tokens(s) * s.n_experts * 3 + slots(s) * 2  # router logits and probabilities, routing weights
     return elements * s.act_bytes + fp32 * FP32
 
@@ -24,4 +33,5 @@ def selective_bytes(s: Shapes, policy: str) -> float:
     top_k copies through the experts' three grouped matmuls."""
     elements, _ = attention_kept(s, policy)
     elements += stream_tokens(s) * s.n_experts + slots(s) * s.expert_load * (2 * s.ffn_dim + s.dim)
+    elements += shared_elements(s, 2 if policy == "ops" else 1)
     return elements * s.act_bytes + s.tokens * s.n_heads // s.tp * FP32
