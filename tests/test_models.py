@@ -95,3 +95,23 @@ def _sharded_init_matches_unsharded(rank, world_size, tie):
 def test_sharded_initialisation_equals_the_single_process_one():
     spawn(_sharded_init_matches_unsharded, 3, False)
     spawn(_sharded_init_matches_unsharded, 2, True)
+
+
+# Qwen's published sizes: all parameters, and those a token uses (its top_k experts of 128).
+RELEASED = {"qwen3_0_6b": (0.60e9, None), "qwen3_8b": (8.19e9, None), "qwen3_32b": (32.8e9, None),
+            "qwen3_30b_a3b": (30.5e9, 3.3e9), "qwen3_235b_a22b": (235e9, 22e9)}
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_released_qwen3_shapes_build_on_meta_with_their_parameter_counts(name):
+    model = build_model(name, device="meta")
+    cfg = model.config
+    total, active = RELEASED[name]
+    assert count_params(model) == pytest.approx(total, rel=0.01)
+    attention = model.layers["0"].attention
+    assert attention.wq.weight.shape == (cfg.n_heads * 128, cfg.dim) and attention.q_norm.weight.shape == (128,)
+    if active is not None:
+        unused = (cfg.n_experts - cfg.top_k) * 3 * cfg.dim * cfg.ffn_dim * cfg.n_layers
+        assert count_params(model) - unused == pytest.approx(active, rel=0.02)
+    if cfg.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight

@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import train_metrics
 
-from trainer import build_model
+from trainer import build_model, load_weights
+from trainer.checkpoint.state import saved_config
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset, sentence
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -177,6 +178,80 @@ def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
     for key in ("expert_load_min", "expert_load_max", "expert_load_mean"):
         assert [r[key] for r in records[:3]] == [r[key] for r in reference[:3]], key
     assert max_relative_difference([r["aux_loss"] for r in records], [r["aux_loss"] for r in reference]) <= MOE_RTOL
+
+
+# The families beyond Llama and Mixtral, each against its own one-process curve: Qwen3 (q/k norms,
+# heads wider than dim / n_heads; 4 layers for CI's time), Qwen3-MoE (16 small experts, top 4), and
+# DeepSeek-V3's routing on a Mixtral-shaped model (shared expert, sigmoid scores renormalised and
+# scaled, 4 expert groups of which a token uses 2, the aux-loss-free bias moving 0.01 a step).
+QWEN3 = ("model=qwen3_debug", "model.n_layers=4")
+QWEN3_MOE = ("model=qwen3_moe_debug",)
+DEEPSEEK = ("model=mixtral_debug", "model.route_score=sigmoid", "model.route_scale=2.5", "model.n_shared_experts=1",
+            "model.n_expert_groups=4", "model.top_groups=2", "model.bias_update_speed=0.01")
+# name -> (the model, ranks, the layout's recipe and overrides, the 1-rank reference's overrides)
+FAMILY_LAYOUTS = {
+    "qwen3_fsdp2": (QWEN3, 2, ["+recipe=llama_fsdp"], ()),
+    "qwen3_tp2": (QWEN3, 2, ["+recipe=llama_tp2"], ()),
+    "qwen3_moe_ep2": (QWEN3_MOE, 2, ["+recipe=mixtral_ep"], ()),
+    "qwen3_moe_ep2_tp2": (QWEN3_MOE, 4, ["+recipe=mixtral_ep2_tp2"], ()),
+    "deepseek_routing_pp2": (DEEPSEEK, 2, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
+}
+
+
+@pytest.fixture(scope="module")
+def family_reference(tmp_path_factory):
+    """The 1-rank run of a family's model and reference overrides, run once each."""
+    runs: dict[tuple, list[dict]] = {}
+
+    def get(model: tuple, overrides: tuple) -> list[dict]:
+        if (model, overrides) not in runs:
+            recipe = "+recipe=llama_fsdp" if model == QWEN3 else "+recipe=mixtral_ep"
+            runs[model, overrides] = train_metrics(1, recipe, *model, *COMMON[1:], *PLAIN, *overrides,
+                                                   output_dir=tmp_path_factory.mktemp("family_reference"))
+        return runs[model, overrides]
+
+    return get
+
+
+def check_family(reference: list[dict], records: list[dict], layout: str, moe: bool) -> None:
+    check_against(reference, records, layout, MOE_RTOL if moe else RTOL, MOE_GRAD_NORM_RTOL if moe else GRAD_NORM_RTOL)
+    if moe:  # the same tokens are routed the same way
+        assert [r["expert_load_max"] for r in records[:3]] == [r["expert_load_max"] for r in reference[:3]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", FAMILY_LAYOUTS)
+def test_family_layout_matches_single_process(layout, family_reference, tmp_path):
+    model, ranks, overrides, reference_overrides = FAMILY_LAYOUTS[layout]
+    records = train_metrics(ranks, *model, *overrides, *COMMON[1:], *CHUNKED, output_dir=tmp_path)
+    check_family(family_reference(model, reference_overrides), records, layout, model != QWEN3)
+
+
+@pytest.mark.multiprocess
+def test_deepseek_routing_under_ep2_and_its_bias_resumed_in_another_layout(family_reference, tmp_path):
+    """The DeepSeek-routing row under ep2, saving at steps 5 and 10; then one process resumes the
+    step-5 checkpoint (the bias saved by the expert-parallel layout) and trains steps 6-10: its
+    losses follow the ep2 run's and its biases at step 10 equal the ep2 run's exactly (they move by
+    whole steps of 0.01 from the same loads)."""
+    saving = ("checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_last=0")
+    records = train_metrics(2, "+recipe=mixtral_ep", *DEEPSEEK, *COMMON[1:], *CHUNKED, *saving,
+                            output_dir=tmp_path / "ep2")
+    check_family(family_reference(DEEPSEEK, ()), records, "deepseek_routing_ep2", moe=True)
+    resumed = train_metrics(1, "+recipe=mixtral_ep", *DEEPSEEK, *COMMON[1:], *CHUNKED, *saving,
+                            f"checkpoint.resume={tmp_path / 'ep2' / 'checkpoints' / 'step_5'}",
+                            output_dir=tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    for a, b in zip(resumed, records[5:]):
+        assert abs(a["loss"] - b["loss"]) <= MOE_RTOL * b["loss"], (a, b)
+    biases = {}
+    for run in ("ep2", "resumed"):
+        model = build_model(saved_config(tmp_path / run / "checkpoints" / "step_10"))
+        load_weights(model, tmp_path / run / "checkpoints" / "step_10")
+        biases[run] = torch.stack([layer.feed_forward.expert_bias for layer in model.layers.values()])
+    saved = build_model(saved_config(tmp_path / "ep2" / "checkpoints" / "step_5"))
+    load_weights(saved, tmp_path / "ep2" / "checkpoints" / "step_5")
+    assert saved.layers["0"].feed_forward.expert_bias.abs().max() > 0  # it moved before it was saved
+    assert torch.equal(biases["resumed"], biases["ep2"]), (biases["resumed"] - biases["ep2"])
 
 
 # The bf16 column: bf16 parameters and compute under FSDP's mixed precision, with gradients reduced,

@@ -112,6 +112,19 @@ def test_search_ranks_layouts_that_fit(capsys):
                          "training.global_batch_size=32", *overrides), 8)
 
 
+def test_search_answers_for_qwen3_moe(capsys):
+    """128 experts of 768 with heads 128 wide: the search finds layouts that fit 8 H100s, the plan
+    holds the model's parameters (30.5B, 4 bytes each, over the ranks) and puts experts apart."""
+    common = ("model=qwen3_30b_a3b", "training.seq_len=4096", "training.global_batch_size=64")
+    code, out, _ = run_plan(capsys, "--search", "--gpus", "8", "--device", "h100", *common, "--json", "--top", "3")
+    plans = json.loads(out)
+    assert code == 0 and len(plans) == 3 and all(p["fits"] for p in plans)
+    assert any(p["overrides"]["parallel.ep"] > 1 for p in plans)
+    best = plans[0]
+    held = sum(r["params_gib"] for r in best["ranks"]) * 2**30 / 4 * best["world_size"] / len(best["ranks"])
+    assert held == pytest.approx(30.53e9, rel=0.01)
+
+
 @pytest.mark.parametrize("args, message", [
     (["+recipe=llama_fsdp", "--device", "tpu9"], "config error: device tpu9 is unknown"),
     (["+recipe=llama_4d", "--world", "12"], "config error: parallel: pp*dp_replicate*dp_shard*cp*tp=16 must equal"),
@@ -140,6 +153,10 @@ def test_train_refuses_a_job_that_will_not_fit():
 # Layouts measured against the plan: debug models made wide enough that tensors dominate.
 LLAMA = ("model=llama_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_layers=4")
 MIXTRAL = ("model=mixtral_debug", "model.dim=512", "model.ffn_dim=1024")
+# Qwen3's heads twice as wide as dim / n_heads, and q/k norms; DeepSeek-V3's routing with a shared expert.
+QWEN3 = ("model=qwen3_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_layers=4", "model.head_dim=128")
+DEEPSEEK = (*MIXTRAL, "model.n_shared_experts=1", "model.route_score=sigmoid", "model.n_expert_groups=4",
+            "model.top_groups=2", "model.bias_update_speed=0.01")
 SIZE = ("+smoke=cpu", "training.seq_len=512", "training.global_batch_size=4")
 MEASURED = {
     "single": (1, LLAMA),
@@ -151,6 +168,8 @@ MEASURED = {
     "cp2": (2, ("+recipe=llama_cp2", *LLAMA)),
     "ep2": (2, ("+recipe=mixtral_ep", *MIXTRAL)),
     "tp2_pp4": (8, ("+recipe=llama_tp2_pp4", *LLAMA)),
+    "qwen3_tp2": (2, ("+recipe=llama_tp2", *QWEN3)),
+    "deepseek_ep2": (2, ("+recipe=mixtral_ep", *DEEPSEEK)),
 }
 MEMORY_RTOL = 0.10
 SPEED_RTOL = 0.30
@@ -160,10 +179,11 @@ COUNTED, TIMED = 2, 3
 
 # Selective checkpointing measured where it differs in what it keeps: plain, tensor parallel (the
 # reduce-scattered outputs), pipeline, ring attention, experts checkpointed on their own.
-SELECTIVE = ("single", "fsdp2", "tp2", "pp2_1f1b", "cp2", "ep2")
-# Full checkpointing on the 4- and 8-rank layouts adds nothing the 2-rank ones do not hold (suite time).
+SELECTIVE = ("single", "fsdp2", "tp2", "pp2_1f1b", "cp2", "ep2", "qwen3_tp2", "deepseek_ep2")
+# Full checkpointing on the 4- and 8-rank layouts adds nothing the 2-rank ones do not hold, nor on
+# deepseek_ep2 what ep2 does (suite time).
 CASES = [(layout, ac) for layout in MEASURED for ac in ("none", "full")
-         if not (ac == "full" and layout in ("hsdp2x2", "tp2_pp4"))]
+         if not (ac == "full" and layout in ("hsdp2x2", "tp2_pp4", "deepseek_ep2"))]
 CASES += [(layout, "selective") for layout in SELECTIVE]
 # The other selective policy (ops: every matmul's output kept), where the policies differ most.
 OPS = ("fsdp2", "tp2")
