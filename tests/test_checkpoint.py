@@ -257,3 +257,25 @@ def test_bad_checkpoint_settings_are_config_errors(override, message, tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "+smoke=cpu", override,
                              f"output_dir={tmp_path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith(message), result.stderr[-2000:]
+
+
+def test_weights_without_the_moe_bias_load_into_a_model_that_balances_with_one(tmp_path):
+    """A converted (weights-only) Qwen3-MoE checkpoint starts a run with aux-loss-free balancing on:
+    the weights load, the bias it lacks stays at zero. A weight it lacks is still an error."""
+    from trainer.checkpoint.state import save_weights
+    from trainer.models import model_config
+
+    plain = build_model("qwen3_moe_debug", seed=3)
+    save_weights(plain.config, dict(plain.state_dict()), tmp_path / "weights")
+    cfg = model_config({**vars(model_config("qwen3_moe_debug")), "bias_update_speed": 0.01})
+    balanced = build_model(cfg)
+    load_weights(balanced, tmp_path / "weights")
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(balanced.state_dict()[name], tensor), name
+    assert balanced.layers["0"].feed_forward.expert_bias.abs().max() == 0
+    del balanced.layers["3"].attention.q_norm.weight
+    balanced.layers["3"].attention.q_norm.register_parameter("weight", torch.nn.Parameter(torch.ones(32)))
+    partial = {k: v for k, v in plain.state_dict().items() if k != "layers.3.attention.q_norm.weight"}
+    save_weights(plain.config, partial, tmp_path / "partial")
+    with pytest.raises(CheckpointError, match="q_norm"):
+        load_weights(balanced, tmp_path / "partial")

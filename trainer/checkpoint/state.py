@@ -93,7 +93,12 @@ class TrainState:
         return int(trainer["step"]), int(trainer["data_position"]), int(trainer["world_size"])
 
     def load_weights(self, path: Path) -> None:
+        """The weights of checkpoint `path`; a buffer it lacks (the MoE bias of aux-loss-free balancing,
+        switched on for a model converted without one) keeps its initial value."""
         live, model = self.model_state()
+        saved = SafeReader(path).read_metadata().state_dict_metadata
+        buffers = {_whole_name(name, 0) for name, _ in self.model.named_buffers()}
+        model = {k: v for k, v in model.items() if f"model.{k}" in saved or k not in buffers}
         _dcp_load({"model": model}, path)
         set_model_state_dict(self.model, live)
 
@@ -128,7 +133,9 @@ def _dcp_load(state: dict, path: Path) -> None:
             dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps each rank's failure; its message names the missing key or file
+    # DCP wraps each rank's failure (in a CheckpointException, a BaseException); its last line names the
+    # missing key or file.
+    except (Exception, dcp.CheckpointException) as e:
         first = str(e).strip().splitlines()
         raise CheckpointError(f"cannot load checkpoint {path}: {first[-1] if first else type(e).__name__}") from None
 
