@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
@@ -15,7 +15,7 @@ from trainer.models.llama.hf import attention_names, edge_names
 from trainer.models.llama.parallelize import attention_plan, edge_plan
 from trainer.models.mixtral import memory
 from trainer.models.mixtral.model import Mixtral
-from trainer.models.moe import check_hf_routing, check_routing
+from trainer.models.routing import check_hf_routing, check_routing
 from trainer.models.spec import HFMapping, ModelSpec, register_family
 
 
@@ -27,6 +27,13 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
         # Each tp rank routes its own slice of the sequence (see expert_parallel.py).
         "layers.*.feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(between,),
                                                     use_local_output=True),
+        # Shared experts (if any) are a feed-forward on every token, split as Llama's: the sequence
+        # gathered, gate and up column-wise, down row-wise and reduce-scattered back.
+        "layers.*.feed_forward.shared": PrepareModuleInput(input_layouts=(between,),
+                                                           desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.shared.w1": ColwiseParallel(),
+        "layers.*.feed_forward.shared.w3": ColwiseParallel(),
+        "layers.*.feed_forward.shared.w2": RowwiseParallel(output_layouts=between),
     }
 
 

@@ -10,7 +10,8 @@ from trainer.config import head_dim as model_head_dim
 from trainer.errors import ConfigError
 from trainer.models.llama import UNITS, flops_per_token
 from trainer.models.llama import memory as llama_memory
-from trainer.models.llama.hf import attention_names, edge_names
+from trainer.models.llama.hf import attention_names
+from trainer.models.llama.hf import names as llama_names
 from trainer.models.llama.parallelize import tp_plan as llama_tp_plan
 from trainer.models.qwen3.model import Qwen3
 from trainer.models.spec import FP32, HFMapping, ModelSpec, Shapes, register_family
@@ -46,18 +47,15 @@ def check(cfg: ModelConfig) -> None:
 
 def attention_hf_names(i: int) -> dict[str, str]:
     """Llama's names for layer i's norms and attention, and the q/k norms (shared with Qwen3-MoE)."""
-    names = attention_names(i)
-    for norm in ("q_norm", "k_norm"):
-        names[f"layers.{i}.attention.{norm}.weight"] = f"model.layers.{i}.self_attn.{norm}.weight"
-    return names
+    return attention_names(i) | {f"layers.{i}.attention.{norm}.weight": f"model.layers.{i}.self_attn.{norm}.weight"
+                                 for norm in ("q_norm", "k_norm")}
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, str]:
-    sources = edge_names(cfg)
+    """Llama's names, and each layer's q/k norms."""
+    sources = llama_names(cfg)
     for i in range(cfg.n_layers):
         sources |= attention_hf_names(i)
-        mlp = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-        sources |= {f"layers.{i}.feed_forward.{w}.weight": f"model.layers.{i}.mlp.{hf}.weight" for w, hf in mlp.items()}
     return sources
 
 

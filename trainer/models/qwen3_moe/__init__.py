@@ -14,9 +14,10 @@ from trainer.errors import ConfigError
 from trainer.models import mixtral
 from trainer.models.llama import UNITS
 from trainer.models.llama.hf import edge_names
-from trainer.models.moe import check_hf_routing, moe_from_config
+from trainer.models.moe import moe_from_config
 from trainer.models.qwen3 import attention_hf_names, hf_fields, qk_norm_bytes, qk_norm_plan
 from trainer.models.qwen3.model import Qwen3
+from trainer.models.routing import check_hf_routing
 from trainer.models.spec import HFMapping, ModelSpec, Shapes, register_family
 
 
