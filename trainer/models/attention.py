@@ -189,8 +189,13 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, mask):
         dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias)
 
 
+def _flash_takes(q, mask) -> bool:
+    # CUDA's flash kernel has no float32 form and takes no mask: those go to the memory-efficient one.
+    return q.dtype in (torch.float16, torch.bfloat16) and mask is None
+
+
 def _cuda_flash_forward(q, k, v, causal, mask):
-    if q.dtype not in (torch.float16, torch.bfloat16):  # flash has no float32 kernel
+    if not _flash_takes(q, mask):
         return _efficient_forward(q, k, v, causal, mask)
     # Grouped-query K/V as they are.
     out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
@@ -198,7 +203,7 @@ def _cuda_flash_forward(q, k, v, causal, mask):
 
 
 def _cuda_flash_backward(dout, q, k, v, out, lse, causal, mask):
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if not _flash_takes(q, mask):
         return _efficient_backward(dout, q, k, v, out, lse, causal, mask)
     # No dropout: the random-number state the kernel takes is never read.
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.zeros((), dtype=torch.uint64, device=q.device)
