@@ -38,6 +38,24 @@ def test_chunked_loss_and_gradients_equal_the_plain_loss(chunk, dtype, tolerance
     assert grads[0].dtype == h.dtype and grads[1].dtype == head.weight.dtype
 
 
+@pytest.mark.multiprocess  # inductor compiles C++ in a subprocess
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_the_compiled_chunks_equal_the_eager_ones(dtype, tolerance):
+    """torch.compile's fused form of a chunk's elementwise work (training.compile) against the eager
+    in-place one, a short last chunk included."""
+    head, h, labels = head_and_input(dtype, 7)
+    results = []
+    for compiled in (False, True):
+        set_loss_chunk(head, 7, compiled=compiled)
+        loss = head(h, labels)
+        loss.backward()
+        results.append((loss.detach(), h.grad, head.weight.grad))
+        h.grad = head.weight.grad = None
+    (eager_loss, *eager), (loss, *grads) = results
+    assert abs(loss.item() / eager_loss.item() - 1) <= 1e-6
+    assert all(relative(a, b) <= tolerance for a, b in zip(grads, eager))
+
+
 def test_without_grad_mode_only_the_loss_is_computed():
     head, h, labels = head_and_input(torch.float32, 7)
     with torch.no_grad():

@@ -35,7 +35,7 @@ class BuildOptions:
     document_mask: bool = False
     seed: int = 0
     aux_loss_scale: float = 1.0  # the MoE auxiliary losses' gradient scale (see set_aux_loss_scale)
-    loss_chunk_tokens: int | None = 512  # tokens per chunk of the output head and its loss (LMHead)
+    loss_chunk_tokens: int | None = 2048  # tokens per chunk of the output head and its loss (LMHead)
     float8: Float8Config | None = None  # the linear layers in float8 (None: not)
 
 
@@ -89,7 +89,7 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str], de
         materialize(part, device)
         init_weights(part, options.seed)
     set_aux_loss_scale(part, options.aux_loss_scale)
-    set_loss_chunk(part, options.loss_chunk_tokens)
+    set_loss_chunk(part, options.loss_chunk_tokens, compiled=options.parallel.compile)
     return part
 
 

@@ -149,7 +149,7 @@ class TrainingConfig:
     selective_policy: str = "half_mm"
     # The output head and the loss are computed this many tokens at a time, so that the logits of at
     # most one chunk exist (null: the plain loss on a microbatch's whole logits, for reference).
-    loss_chunk_tokens: Optional[int] = 512
+    loss_chunk_tokens: Optional[int] = 2048
     # A step whose loss or gradient norm is NaN or infinite: skip (no optimizer step) | stop.
     on_nonfinite: str = "skip"
     max_skipped_steps: int = 10  # skipped steps in a row that stop the job (0: no limit)

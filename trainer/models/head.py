@@ -15,6 +15,8 @@ that tensor parallel's layout reduces.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,9 +32,10 @@ class LMHead(nn.Linear):
     logits computed `chunk_tokens` tokens at a time. None: the plain loss, F.cross_entropy on the whole
     logits (under loss parallel, where those are split on the vocabulary: all tokens in one chunk)."""
 
-    def __init__(self, dim: int, vocab_size: int, chunk_tokens: int | None = 512, **kwargs):
+    def __init__(self, dim: int, vocab_size: int, chunk_tokens: int | None = 2048, **kwargs):
         super().__init__(dim, vocab_size, bias=False, **kwargs)
         self.chunk_tokens = chunk_tokens
+        self.compiled = False  # the chunks' elementwise work through torch.compile (set_loss_chunk)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         weight, group = self.weight, None
@@ -47,20 +50,65 @@ class LMHead(nn.Linear):
         chunk = self.chunk_tokens or labels.numel()
         # (Function.forward runs without grad mode: whether gradients are wanted is decided here.)
         grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk, group, grads)
+        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk, group, grads,
+                                        self.compiled)
 
 
-def set_loss_chunk(model: nn.Module, tokens: int | None) -> None:
-    """Every LMHead of `model` computes its loss `tokens` tokens at a time (None: all at once)."""
+def set_loss_chunk(model: nn.Module, tokens: int | None, compiled: bool = False) -> None:
+    """Every LMHead of `model` computes its loss `tokens` tokens at a time (None: all at once), the
+    elementwise work of each chunk fused by torch.compile when `compiled`."""
     for module in model.modules():
         if isinstance(module, LMHead):
             module.chunk_tokens = tokens
+            module.compiled = compiled
+
+
+def _lse_and_target(logits: torch.Tensor, local: torch.Tensor, here: torch.Tensor):
+    """A chunk's fp32 log-sum-exp over its vocabulary columns and each row's label logit (0 where
+    the label is not among the columns)."""
+    logits = logits.float()
+    target = logits.gather(1, local[:, None]).squeeze(1)
+    return logits.logsumexp(dim=-1), torch.where(here, target, 0.0)
+
+
+def _loss_gradient(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, here: torch.Tensor,
+                   valid: torch.Tensor) -> torch.Tensor:
+    """d(sum of losses)/d(logits) = softmax - one_hot(label) on the valid rows, in the logits' dtype:
+    the form torch.compile fuses into one pass over the logits."""
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    label = (columns[None, :] == local[:, None]) & here[:, None]
+    grad = (logits.float() - lse[:, None]).exp() - label.float()
+    return torch.where(valid[:, None], grad, 0.0).to(logits.dtype)
+
+
+def _loss_gradient_in_place(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, here: torch.Tensor,
+                            valid: torch.Tensor) -> torch.Tensor:
+    """The same in place of fp32 logits: uncompiled, no second [chunk, vocabulary] tensor."""
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad[torch.arange(len(local), device=grad.device), local] -= here.float()
+    return grad.mul_(valid[:, None])
+
+
+@cache
+def _compiled(fn):
+    # One graph per chunk shape (a microbatch's short last chunk is a second one).
+    return torch.compile(fn, dynamic=False)
+
+
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b, `out` fp32 and a, b perhaps in a lower precision, accumulated in fp32."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    elif out.is_cuda:  # cuBLAS adds the product into fp32 without a rounded copy
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:  # (no mixed-dtype addmm on the CPU)
+        out += a @ b
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, group,
-                want_grads: bool) -> torch.Tensor:
+                want_grads: bool, compiled: bool = False) -> torch.Tensor:
         tokens, vocab = h.shape[0], weight.shape[0]
         first = dist.get_rank(group) * vocab if group is not None else 0  # this shard's first vocabulary id
         local = labels - first
@@ -68,34 +116,30 @@ class LinearCrossEntropy(torch.autograd.Function):
         local = torch.where(here, local, 0)
         valid = labels != IGNORE_INDEX
         count = valid.sum()
+        lse_and_target, loss_gradient = ((_compiled(_lse_and_target), _compiled(_loss_gradient)) if compiled
+                                         else (_lse_and_target, _loss_gradient_in_place))
         lse = torch.empty(tokens, dtype=torch.float32, device=h.device)
         target = torch.empty(tokens, dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_grads else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grads else None
         for start in range(0, tokens, chunk):
             end = min(start + chunk, tokens)
-            x = h[start:end]
-            logits = (x @ weight.t()).float()
-            chunk_lse = logits.logsumexp(dim=-1)
+            x, rows = h[start:end], slice(start, end)
+            logits = x @ weight.t()
+            if not compiled:
+                logits = logits.float()  # (and the compute dtype's copy freed)
+            chunk_lse, target[rows] = lse_and_target(logits, local[rows], here[rows])
             if group is not None:  # the log-sum-exp over the whole vocabulary, from every shard's
                 shards = torch.empty(dist.get_world_size(group) * (end - start), dtype=torch.float32, device=h.device)
                 _all_gather(shards, chunk_lse, group)
                 chunk_lse = shards.view(-1, end - start).logsumexp(dim=0)
-            lse[start:end] = chunk_lse
-            rows = torch.arange(end - start, device=h.device)
-            target[start:end] = torch.where(here[start:end], logits[rows, local[start:end]], 0.0)
+            lse[rows] = chunk_lse
             if want_grads:
-                # d(sum of losses)/d(logits) = softmax - one_hot(label) on the valid rows, in place of
-                # the logits; the mean's 1/count and the upstream gradient are applied in backward.
-                grad = logits.sub_(chunk_lse[:, None]).exp_()
-                grad[rows, local[start:end]] -= here[start:end].float()
-                grad = grad.mul_(valid[start:end, None]).to(h.dtype)
+                # The mean's 1/count and the upstream gradient are applied in backward.
+                grad = loss_gradient(logits, chunk_lse, local[rows], here[rows], valid[rows]).to(h.dtype)
                 del logits
-                torch.mm(grad, weight, out=grad_h[start:end])
-                if grad_w.dtype == grad.dtype:
-                    grad_w.addmm_(grad.t(), x)
-                else:  # (a bf16 product added into fp32: no mixed-dtype addmm on every device)
-                    grad_w += grad.t() @ x
+                torch.mm(grad, weight, out=grad_h[rows])
+                _add_product(grad_w, grad.t(), x)
         if group is not None:
             dist.all_reduce(target, group=group)  # each label's logit lives on one shard
         count = count.clamp(min=1)
@@ -111,7 +155,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / count  # applied in fp32: a bf16 scale would bias every gradient alike
         h_dtype, w_dtype = ctx.dtypes
         # Out of place: a zero-bubble schedule runs this backward twice (input, then weight gradients).
-        return (grad_h.float() * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None, None
+        return (grad_h.float() * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None, None, None
 
 
 def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
