@@ -1,7 +1,8 @@
 """Keeps the suite's token caches out of the user's home (one folder for the session, inherited by the
-ranks the tests launch), and keeps the fast tier fast: a test that starts a process must be marked
-`multiprocess`, or it fails saying so."""
+ranks the tests launch), and keeps the fast tier fast: a test that starts a process, in its body or in
+any fixture it sets up (of any scope), must be marked `multiprocess`, or it fails saying so."""
 
+import contextlib
 import multiprocessing.process
 import os
 import subprocess
@@ -12,13 +13,35 @@ import pytest
 os.environ.setdefault("TRAINER_CACHE", tempfile.mkdtemp(prefix="trainer-cache-"))
 
 
-@pytest.fixture(autouse=True)
-def _processes_only_when_marked(request, monkeypatch):
-    if request.node.get_closest_marker("multiprocess"):
+@contextlib.contextmanager
+def _no_processes(item):
+    if item.get_closest_marker("multiprocess"):
+        yield
         return
 
     def refuse(*args, **kwargs):
-        raise RuntimeError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.multiprocess")
+        raise RuntimeError(f"{item.nodeid} starts a process: mark it @pytest.mark.multiprocess")
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        yield
+
+
+# Set-up (where module- and session-scoped fixtures run), the test and tear-down, each guarded.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with _no_processes(item):
+        return (yield)

@@ -7,6 +7,7 @@ Every launch has a deadline: a hung collective fails the test instead of hanging
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -16,11 +17,22 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+
+
+def needs(module: str, extra: str) -> pytest.MarkDecorator:
+    """Skips a test whose optional extra is not installed, saying how to install it."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"needs {module}: pip install -e '.[{extra}]'")
+
+
+NEEDS_TORCHAO = needs("torchao", "float8")
+NEEDS_TORCHFT = needs("torchft", "ft")
 
 
 def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = (),

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import NEEDS_TORCHAO, NEEDS_TORCHFT
 
 from trainer.checkpoint.hf import config_from_hf
 from trainer.data.files import documents
@@ -158,7 +159,10 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("name", MISTAKES)
+EXTRA = {"float8 layer it cannot take": NEEDS_TORCHAO, "lighthouse not reachable": NEEDS_TORCHFT}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=EXTRA.get(name, ())) for name in MISTAKES])
 def test_each_mistake_is_one_config_error_line_and_exit_2(name, tmp_path, capfd, monkeypatch):
     overrides, says = MISTAKES[name]
     monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "cache"))

@@ -11,7 +11,7 @@ import shutil
 import sys
 
 import pytest
-from helpers import train_metrics
+from helpers import NEEDS_TORCHAO, train_metrics
 from test_parity import CHUNKED, COMMON, check_against, max_relative_difference
 
 from trainer.config import Float8Config
@@ -71,6 +71,7 @@ def float8_reference(tmp_path_factory):
     return get
 
 
+@NEEDS_TORCHAO
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", FLOAT8_LAYOUTS)
 def test_float8_layout_matches_single_process(layout, float8_reference, tmp_path):
@@ -81,6 +82,7 @@ def test_float8_layout_matches_single_process(layout, float8_reference, tmp_path
     check_against(float8_reference(reference_overrides), records, f"float8 {layout}", rtol, grad_norm_rtol)
 
 
+@NEEDS_TORCHAO
 @pytest.mark.multiprocess
 def test_float8_tracks_high_precision(float8_reference, tmp_path):
     """float8 changes the curve, within a bound; the float8 matmul kernel (torch's _scaled_mm, the
@@ -95,6 +97,7 @@ def test_float8_tracks_high_precision(float8_reference, tmp_path):
     assert max_relative_difference(kernel, float8) <= KERNEL_RTOL, f"the kernel's {kernel} against {float8}"
 
 
+@NEEDS_TORCHAO
 @pytest.mark.multiprocess
 def test_a_float8_checkpoint_resumes_in_its_layout_another_and_without_float8(tmp_path):
     """The weights FSDP holds for float8 (inside torchao's wrapper) are saved as plain tensors: the same
@@ -113,6 +116,7 @@ def test_a_float8_checkpoint_resumes_in_its_layout_another_and_without_float8(tm
         assert max(abs(a - b) / b for a, b in zip(losses, expected)) <= rtol, (layout, losses, expected)
 
 
+@NEEDS_TORCHAO
 def test_float8_config_errors(monkeypatch):
     import torch
 
@@ -129,12 +133,16 @@ def test_float8_config_errors(monkeypatch):
     check_float8(Float8Config(enabled=True, emulate=True), "cuda", compile=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
     check_float8(Float8Config(enabled=True), "cuda", compile=True)
+
+
+def test_float8_without_torchao_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if torchao were not installed
     with pytest.raises(ConfigError, match=r'^training.float8.enabled=true needs torchao: pip install -e ".\[float8\]"'):
         check_float8(Float8Config(enabled=True), "cpu", compile=False)
     check_float8(Float8Config(enabled=False), "cpu", compile=False)  # off, torchao is not needed
 
 
+@NEEDS_TORCHAO
 def test_what_float8_leaves_in_high_precision_is_said():
     """The head, the skipped modules and the layers float8 GEMMs cannot take stay nn.Linear, named
     once per pattern; the others become Float8Linear with their parameter names unchanged."""

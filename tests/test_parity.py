@@ -396,6 +396,7 @@ def test_guarded_layout_skips_the_same_steps(layout, guard_reference, tmp_path):
     check_against(guard_reference, records, f"guards {layout}", RTOL, GRAD_NORM_RTOL, nan_at=3)
 
 
+@pytest.mark.multiprocess  # the reference fixture runs the trainer
 def test_single_process_matches_plain_pytorch_loop(reference):
     """The reference itself is right: the trainer on one rank (FSDP over one rank, the real
     loop) equals an unwrapped model trained by a hand-written loop on the same batches."""

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import ENV, REPO, train_metrics
+from helpers import ENV, NEEDS_TORCHAO, REPO, train_metrics
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -74,6 +74,7 @@ def test_plan_terms_follow_the_layout(capsys):
     assert sum(r["params_gib"] for r in staged["ranks"]) * 16 == pytest.approx(params * 4 / GIB, rel=0.02)
 
 
+@NEEDS_TORCHAO
 def test_the_plan_knows_float8(capsys):
     """On an H100 float8 tensorwise is faster (the blocks' linear layers at the float8 rate, torchtitan's
     measured gain: 1.12-1.18x) and gathers the blocks' weights in one byte; rowwise gathers them in

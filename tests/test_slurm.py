@@ -18,6 +18,8 @@ BASE = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.step
         "training.lr=3e-3", "checkpoint.enabled=true")
 JOB = (*BASE, "checkpoint.interval=100")
 
+pytestmark = pytest.mark.multiprocess  # every test here starts a cluster and jobs
+
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
@@ -91,7 +93,6 @@ def test_job_spans_two_nodes(two_node_run):
     assert records[-1]["loss"] < 0.8 * records[0]["loss"]
 
 
-@pytest.mark.multiprocess
 def test_preemption_signal_saves_requeues_and_resumes(slurm, two_node_run, tmp_path):
     out = tmp_path
     job = submit(slurm, out, *JOB)
@@ -131,7 +132,6 @@ def node_processes(job: str, node: int) -> list[int]:
     return found
 
 
-@pytest.mark.multiprocess
 def test_elastic_job_goes_on_without_a_lost_node(slurm, two_node_run, tmp_path):
     """MIN_NODES=1 with --no-kill: the second node's torchrun and ranks are killed after step 4's
     checkpoint (a node lost); the first node's ranks resume from it alone, on 2 ranks, and finish
