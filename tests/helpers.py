@@ -21,6 +21,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.launcher import children
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
@@ -156,22 +158,22 @@ def finish(process: subprocess.Popen, timeout: float = 180) -> int:
 
 
 def kill(process: subprocess.Popen) -> None:
-    """Kills torchrun and its ranks (which it starts in sessions of their own: found by parent pid)."""
-    for pid in children(process.pid):
-        os.kill(pid, signal.SIGKILL)
-    os.killpg(process.pid, signal.SIGKILL)
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    """Kills the launcher, torchrun and its ranks (each in a session of its own: found by parent pid)."""
+    for pid in descendants(process.pid):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # gone meanwhile
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: children first, then theirs."""
+    found = children(pid)
+    return found + [d for child in found for d in descendants(child)]
 
 
 def logged_steps(out: Path) -> int:

@@ -14,7 +14,6 @@ from helpers import (
     ENV,
     REPO,
     by_step,
-    children,
     failure_report,
     finish,
     logged_steps,
@@ -198,24 +197,26 @@ def test_seed_checkpoint_is_the_starting_point(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig):
-    """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption), or Ctrl-C's SIGINT to the
-    ranks: every rank ends the step, a checkpoint is saved, the ranks exit; resume=auto then finishes
-    the run."""
+    """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption), or a Ctrl-C at the
+    terminal under trainer-run (SIGINT to its whole process group): every rank ends the step, a
+    checkpoint is saved, the ranks exit, and trainer-run exits 0 with no traceback; resume=auto then
+    finishes the run on the uninterrupted curve."""
     out = tmp_path / "run"
-    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
+    launcher = "trainer.launcher" if sig == "SIGINT" else "torch.distributed.run"
+    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out, launcher=launcher)
     wait_for(lambda: logged_steps(out) >= 3, process)
     if sig == "SIGTERM":
         process.send_signal(signal.SIGTERM)
     else:
-        for rank in children(process.pid):
-            os.kill(rank, signal.SIGINT)
-    finish(process)
+        os.killpg(process.pid, signal.SIGINT)
+    code = finish(process)
     log = (tmp_path / "run.log").read_text()
     stopped = logged_steps(out)
     assert stopped < STEPS and f"stopped at step {stopped} on a signal ({sig})" in log, log[-3000:]
     assert "exitcode" not in log and "/trainer/" not in log  # no rank failed: each saved and exited 0
-    if sig == "SIGINT":  # (torchrun, signalled itself, says so with a traceback of its own)
-        assert log.count("Ctrl-C: stopping after this step") == 1 and "Traceback" not in log
+    if sig == "SIGINT":
+        assert code == 0 and "Traceback" not in log and "SignalException" not in log, log[-3000:]
+        assert log.count("Ctrl-C: stopping after this step") == 1
     assert verify(out / "checkpoints" / f"step_{stopped}") is None
 
     resumed = torchrun(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
@@ -227,20 +228,20 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig):
 
 @pytest.mark.multiprocess
 def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
-    """The second Ctrl-C does not wait for the step: the process ends on the signal, saving nothing."""
+    """Under trainer-run the second Ctrl-C does not wait for the step: torchrun and the rank end at
+    once, saving nothing, exit status 130."""
     out = tmp_path / "run"
-    with open(tmp_path / "run.log", "w") as log:
-        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *LLAMA, "training.steps=1000",
-                                    "training.seq_len=512", "checkpoint.interval=1000", f"output_dir={out}"],
-                                   cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: logged_steps(out) >= 2, process)
-        process.send_signal(signal.SIGINT)
-        # Two signals sent together are one to the process: the second follows the first one's line.
-        wait_for(lambda: "Ctrl-C: stopping" in (tmp_path / "run.log").read_text(), process)
-        process.send_signal(signal.SIGINT)
-        code = finish(process)
-    text = (tmp_path / "run.log").read_text()
-    assert code == -signal.SIGINT, text[-3000:]  # a shell says 130
+    process = start(1, *LLAMA, "training.steps=1000", "training.seq_len=512", "checkpoint.interval=1000",
+                    output_dir=out, launcher="trainer.launcher")
+    log = tmp_path / "run.log"
+    wait_for(lambda: logged_steps(out) >= 2, process)
+    os.killpg(process.pid, signal.SIGINT)
+    # Two signals sent together are one to the process: the second follows the first one's line.
+    wait_for(lambda: "Ctrl-C: stopping" in log.read_text(), process)
+    os.killpg(process.pid, signal.SIGINT)
+    code = finish(process, timeout=30)
+    text = log.read_text()
+    assert code == 130, text[-3000:]  # as a shell reports a process ended by Ctrl-C
     assert "Ctrl-C: stopping after this step" in text and "stopped at once (Ctrl-C twice)" in text
     assert "Traceback" not in text and not list((out / "checkpoints").glob("step_*"))
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import (
     ENV,
     REPO,
-    children,
+    descendants,
     finish,
     free_port,
     kill,
@@ -124,7 +124,7 @@ def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_pa
     third = None
     try:
         wait_for(lambda: logged_steps(out) >= 5, first, timeout=180)
-        for pid in [second.pid, *children(second.pid)]:  # a node lost: its agent and its ranks at once
+        for pid in [second.pid, *descendants(second.pid)]:  # a node lost: its launcher, agent and ranks at once
             os.kill(pid, signal.SIGKILL)
         killed = time.time()
         wait_for(lambda: any(r["world_size"] == 2 for r in read_metrics(out)), first, timeout=120)

@@ -10,12 +10,21 @@ Users should not have to know the variable, so this sets it (a value already set
 
 A config error found by the ranks reaches the user through torchrun, which follows it with its own
 report of the failed ranks; found here first, it is one line and exit status 2.
+
+Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
+alone. The first Ctrl-C (or SIGTERM, SIGUSR1) goes to the ranks, which finish their step, save it and
+exit 0, and so does torchrun; torchrun itself, signalled, would stop its ranks within its shutdown
+timeout and exit 1 with a traceback. A second Ctrl-C stops everything at once: torchrun first (so it
+restarts nothing), then the ranks; exit status 130.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from trainer.errors import ConfigError
@@ -24,7 +33,6 @@ from trainer.errors import ConfigError
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.run import get_args_parser
-    from torch.distributed.run import main as torchrun
 
     argv = sys.argv[1:] if argv is None else argv
     args = get_args_parser().parse_args(argv)
@@ -34,7 +42,66 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as e:
             sys.stderr.write(f"config error: {e}\n")
             sys.exit(2)
-    torchrun(argv)
+    sys.exit(run_torchrun(argv))
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """torchrun with `argv` in a session of its own, the signals this process gets passed to its ranks;
+    torchrun's exit status, or 130 after a second Ctrl-C."""
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], start_new_session=True,
+                             preexec_fn=_terminated_with_parent)
+    interrupts = 0
+
+    def forward(signum, frame) -> None:
+        nonlocal interrupts
+        interrupts += signum == signal.SIGINT
+        ranks = children(agent.pid)
+        if interrupts >= 2 or not ranks:  # at once (or no rank yet): torchrun first, then its ranks
+            _signal(agent.pid, signal.SIGKILL if ranks else signum)
+        for pid in ranks:
+            _signal(pid, signum)
+        if interrupts >= 2:
+            _wait_gone(ranks, timeout=10.0)
+            os._exit(130)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
+    return agent.wait()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; elsewhere none are found)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _terminated_with_parent() -> None:
+    """In the child: SIGTERM when this process dies, however it dies (Linux's prctl; elsewhere nothing),
+    so torchrun stops its ranks rather than outliving its launcher."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # gone meanwhile
+        pass
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.1)
 
 
 def check_job_args(overrides: list[str], world: int | None) -> None:
