@@ -1,35 +1,55 @@
 """Entry point: `torchrun --nproc_per_node=N train.py +recipe=NAME [overrides]` (see README)."""
 
+import hashlib
 import os
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from trainer.config_files import CONFIG_DIR, register_configs
 from trainer.errors import ConfigError
-from trainer.overrides import check_overrides
+from trainer.overrides import check_overrides, compose_job
 
 register_configs()
 
 
-SPEAK_AFTER_S = 3  # how long a node's other ranks wait for its first rank to report an error
-
-
 def config_error(e: ConfigError) -> None:
-    # Most errors every rank finds: the first of each node says it at once, and the launcher stops
-    # the others while they wait, so a user reads it once. An error only this rank found (its data
-    # shard, say) it says itself once the wait is over. Exiting before the first rank has spoken
-    # would let the launcher kill that rank first, and nobody would say anything.
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher's stop, or a Ctrl-C, ends the wait quietly
+    """Says `e` in one line, once per node however many of its ranks find it, and exits 2."""
+    line = f"config error: {e}\n"
+    if first_to_say(line):
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    else:  # another rank of this node has said it: wait for the launcher's stop, quietly
+        for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-        time.sleep(SPEAK_AFTER_S)
-    sys.stderr.write(f"config error: {e}\n")
-    sys.stderr.flush()
+        time.sleep(1)
     sys.exit(2)
+
+
+def first_to_say(line: str) -> bool:
+    """Whether this rank is the first of its node's ranks (of this launch and restart) to say `line`:
+    the first creates a file named after it in a folder they share (torchrun's folder for this
+    attempt, else the temporary folder). A line only one rank finds (its data shard, say) is its own."""
+    if "LOCAL_RANK" not in os.environ:
+        return True
+    digest = hashlib.sha256(line.encode()).hexdigest()[:16]
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <attempt folder>/<local rank>/error.json
+    if error_file:
+        marker = Path(error_file).parent.parent / f"said-{digest}"
+    else:
+        marker = Path(tempfile.gettempdir()) / f"trainer-said-{os.getppid()}-{digest}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # no folder to share: every rank says it
+        pass
+    return True
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
@@ -50,6 +70,8 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     try:
         check_overrides(sys.argv[1:])
+        if not any(arg.startswith("-") for arg in sys.argv[1:]):  # (Hydra's flags print, they do not run)
+            compose_job(sys.argv[1:])  # every file it reads parses, every value has its type
     except ConfigError as e:
         config_error(e)
     main()

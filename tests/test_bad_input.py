@@ -4,6 +4,7 @@ what to do, never a traceback from the library underneath."""
 import json
 import re
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -154,6 +155,10 @@ MISTAKES = {
     "aux-free bias with fault tolerance": (lambda p: ["model=qwen3_moe_debug", "model.bias_update_speed=0.001",
                                                       "fault_tolerance.enabled=true", "parallel.dp_replicate=2"],
                                            r"model.bias_update_speed=0.001 cannot be combined with fault_tolerance"),
+    "a word for an integer": (lambda p: ["training.steps=abc"], r"^config error: training.steps=abc must be an integer$"),
+    "a word for a number": (lambda p: ["training.lr=fast"], r"^config error: training.lr=fast must be a number$"),
+    "a word for a bool": (lambda p: ["training.compile=maybe"],
+                          r"^config error: training.compile=maybe must be true or false$"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }
@@ -175,3 +180,18 @@ def test_each_mistake_is_one_config_error_line_and_exit_2(name, tmp_path, capfd,
     assert err.startswith("config error: ") and err.count("\n") == 1, err
     assert re.search(says, err), err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_recipe_that_does_not_parse_fails_only_the_commands_that_choose_it(tmp_path, monkeypatch):
+    """A user's recipe with a syntax error beside the team's: choosing it is one line naming the file
+    and where it stops parsing; every other recipe composes as before."""
+    from trainer import config_files, overrides
+
+    shutil.copy(config_files.RECIPE_DIR / "llama_fsdp.yaml", tmp_path)
+    (tmp_path / "mine.yaml").write_text("training:\n  steps: 5\n  seq_len: [1, 2\nbad: {\n")
+    for module in (config_files, overrides):
+        monkeypatch.setattr(module, "RECIPE_DIR", tmp_path)
+    monkeypatch.setitem(config_files.BROKEN_RECIPES, "mine", None)  # (removed again afterwards)
+    assert overrides.compose_job(["+recipe=llama_fsdp"]).parallel.dp_shard == -1
+    with pytest.raises(ConfigError, match=r"mine.yaml does not parse \(line 4, column 4\): expected ',' or ']'"):
+        overrides.compose_job(["+recipe=mine"])

@@ -52,6 +52,24 @@ def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
     assert (run.returncode, run.stderr) == (2, line + "\n")
 
 
+RANK_SIDE_ERRORS = {  # found by each rank under plain torchrun, whichever gets there first
+    ("+recipe=mixtral_ep", "model=mixtral_debug", "model.n_experts=6", "parallel.ep=4"):
+        "config error: parallel.ep=4 must divide model.n_experts=6",
+    ("training.global_batch_size=7",):
+        "config error: training.global_batch_size=7 must be divisible by dp*grad_accum_steps=2 (dp=2, "
+        "grad_accum_steps=1)",
+}
+
+
+@pytest.mark.multiprocess
+def test_an_error_every_rank_finds_is_said_once_per_node_every_time(tmp_path):
+    """Whichever rank of the node finds it first says it; the others stay silent (no race with a wait)."""
+    for n, (overrides, line) in enumerate(list(RANK_SIDE_ERRORS.items()) * 2):
+        result = torchrun(2, *overrides, "+smoke=cpu", output_dir=tmp_path / str(n), timeout=120)
+        said = [x for x in result.stderr.splitlines() if x.startswith("config error:")]
+        assert result.returncode != 0 and said == [line], result.stderr[-2000:]
+
+
 @pytest.mark.multiprocess
 def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
     cmd = [sys.executable, "train.py", "+recipe=llama_fsdp", *SHORT, "validation.every=2", "validation.steps=2",

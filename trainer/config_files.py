@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -15,6 +16,8 @@ from trainer.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 RECIPE_DIR = REPO_ROOT / "recipes"
+# Recipes whose files do not parse, by name: registered as nothing, said when chosen.
+BROKEN_RECIPES: dict[str, ConfigError] = {}
 
 
 def register_configs() -> None:
@@ -28,7 +31,23 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="job_schema", node=JobConfig)
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
-        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+        try:
+            node = OmegaConf.load(path)
+        except yaml.YAMLError as e:  # only a command that chooses it fails
+            BROKEN_RECIPES[path.stem] = yaml_error(e)
+            continue
+        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
+
+
+def yaml_error(e: yaml.YAMLError) -> ConfigError:
+    """A config file that does not parse, named with the line and column where the parser stopped."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return ConfigError(f"a config file does not parse: {e}")
+    path = Path(mark.name)
+    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    return ConfigError(f"{shown} does not parse (line {mark.line + 1}, column {mark.column + 1}): "
+                       f"{getattr(e, 'problem', None) or e}")
 
 
 def _recipe_name() -> str:

@@ -10,7 +10,7 @@ import difflib
 import typing
 
 from trainer.config import JobConfig, checkpoint_keys
-from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
+from trainer.config_files import BROKEN_RECIPES, CONFIG_DIR, RECIPE_DIR, register_configs, yaml_error
 from trainer.errors import ConfigError
 
 GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
@@ -31,23 +31,58 @@ def check_overrides(argv: list[str]) -> None:
 
 
 def compose_job(overrides: list[str]) -> JobConfig:
-    """The job `train.py overrides...` would run, checked (see check_overrides) and composed."""
+    """The job `train.py overrides...` would run, checked (see check_overrides) and composed: a file
+    that does not parse, or a value of the wrong type, is a ConfigError."""
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    check_overrides(overrides)
     register_configs()
+    check_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    except yaml.YAMLError as e:
+        raise yaml_error(e) from None
     except (HydraException, OmegaConfBaseException) as e:
-        # A value of the wrong type, say: Hydra's message names the key and value on its first lines.
-        raise ConfigError(" ".join(str(e).split("\n")[:2]).strip()) from None
+        raise ConfigError(_composition_message(e)) from None
+
+
+def _composition_message(e: Exception) -> str:
+    """A value of the wrong type: its key, the value and what the schema wants; else the first two
+    lines of Hydra's message."""
+    from omegaconf.errors import ValidationError
+
+    cause = e
+    while cause is not None and not isinstance(cause, ValidationError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and cause.full_key:
+        return f"{cause.full_key}={cause.value} must be {_wanted(cause.full_key)}"
+    return " ".join(str(e).split("\n")[:2]).strip()
+
+
+WANTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _wanted(key: str) -> str:
+    """What the schema's field `key` holds, in words."""
+    hint, cls = None, JobConfig
+    for name in key.split("."):
+        if cls is None:
+            return "of the schema's type"
+        hint = typing.get_type_hints(cls).get(name.split("[")[0])
+        cls = _dataclass_of(hint)
+    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if optional else hint
+    words = WANTED.get(base) or ("a list" if typing.get_origin(base) is list else "of the schema's type")
+    return words + (" (or null)" if optional else "")
 
 
 def _check_choice(group: str, name: str) -> None:
+    if group == "recipe" and name in BROKEN_RECIPES:
+        raise BROKEN_RECIPES[name]
     folder = RECIPE_DIR if group == "recipe" else CONFIG_DIR / group
     known = sorted(p.stem for p in folder.glob("*.yaml"))
     if name not in known:
