@@ -1,14 +1,17 @@
 """Converts between Hugging Face directories and this trainer's checkpoints.
 
     python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME]   # OUT: usable as checkpoint.initial
-    python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--dtype bfloat16] [--max-shard-size 5GB]
+    python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH] [--dtype bfloat16] [--max-shard-size 5GB]
 
 CKPT is any checkpoint of ours (a training checkpoint in any layout, a seed or a converted one).
 --model names one of configs/model/ to check the weights against (from-hf) or to use when CKPT
 holds no model.yaml (to-hf). to-hf streams one tensor at a time into safetensors shards of at most
 --max-shard-size, in --dtype (bfloat16, as released checkpoints are), with transformers' index file
-when there are several; OUT loads with AutoModelForCausalLM. Local directories only; nothing is
-downloaded.
+when there are several; OUT loads with AutoModelForCausalLM. The tokenizer goes along both ways:
+from-hf keeps HF_DIR's tokenizer files with the weights, and to-hf writes the one CKPT was trained
+with (kept in the checkpoint, else the run's data.tokenizer, else --tokenizer) for AutoTokenizer,
+with its bos/eos/pad ids in config.json and generation_config.json. Local directories only;
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from trainer.checkpoint.files import MODEL_CONFIG  # noqa: E402
 from trainer.checkpoint.hf import read_hf  # noqa: E402
 from trainer.checkpoint.hf_export import export_hf  # noqa: E402
 from trainer.checkpoint.state import check_model, save_weights, saved_config  # noqa: E402
+from trainer.checkpoint.tokenizer_files import (  # noqa: E402
+    export_tokenizer,
+    held_tokenizer,
+    special_ids,
+    write_special_ids,
+)
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.models import model_config  # noqa: E402
 
@@ -37,16 +46,58 @@ def from_hf(hf_dir: Path, out: Path, model: str | None) -> None:
         named = model_config(model)
         check_model(named, cfg, f"{hf_dir}")
         cfg.name = named.name
-    save_weights(cfg, weights, out)
-    print(f"wrote {cfg.family} model {cfg.name} ({sum(w.numel() for w in weights.values()) / 1e6:.2f}M values) to {out}")
+    tokenizer = held_tokenizer(hf_dir)
+    save_weights(cfg, weights, out, tokenizer)
+    print(f"wrote {cfg.family} model {cfg.name} ({sum(w.numel() for w in weights.values()) / 1e6:.2f}M values) to {out}"
+          + (" with its tokenizer" if tokenizer else "; no tokenizer.json beside the weights"))
 
 
-def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str) -> None:
+def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str,
+          tokenizer: str | None = None) -> None:
     cfg = model_config(model) if model is not None else saved_config(checkpoint)
     if cfg is None:
         raise ConfigError(f"{checkpoint} has no {MODEL_CONFIG}; name the model with --model")
+    tokenizer = tokenizer or held_tokenizer(checkpoint) or run_tokenizer(checkpoint)
+    if tokenizer is not None and tokenizer != "bytes":
+        check_vocabulary(tokenizer, cfg.vocab_size)
     shards = export_hf(checkpoint, cfg, out, getattr(torch, dtype), shard_bytes(max_shard_size))
     print(f"wrote {cfg.family} model {cfg.name} to {out} in {dtype}, {shards} shard{'s' if shards > 1 else ''}")
+    if tokenizer is None:
+        write_special_ids(out, {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
+        print(f"no tokenizer: {checkpoint} holds none and names no run's data.tokenizer; config.json has no "
+              f"bos/eos ids. Pass --tokenizer PATH (the run's data.tokenizer) to write both")
+        return
+    ids = special_ids(tokenizer)
+    write_special_ids(out, ids)
+    said = ", ".join(f"{k.removesuffix('_token_id')} {v}" for k, v in ids.items() if v is not None)
+    if tokenizer == "bytes":
+        print(f"no tokenizer files: the run trained on UTF-8 bytes, which transformers has no tokenizer for; "
+              f"config.json and generation_config.json say {said}")
+    else:
+        written = export_tokenizer(tokenizer, out)
+        print(f"wrote the tokenizer from {tokenizer} ({', '.join(written)}); config.json and "
+              f"generation_config.json say {said}")
+
+
+def run_tokenizer(checkpoint: Path) -> str | None:
+    """data.tokenizer of the run a training checkpoint (OUTPUT_DIR/checkpoints/step_N) belongs to,
+    where that run's config.yaml says it and it is still there."""
+    config = checkpoint.resolve().parent.parent / "config.yaml"
+    if checkpoint.resolve().parent.name != "checkpoints" or not config.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    spec = OmegaConf.load(config).get("data", {}).get("tokenizer")
+    return spec if spec == "bytes" or (spec and Path(spec).exists()) else None
+
+
+def check_vocabulary(tokenizer: str, vocab_size: int) -> None:
+    from trainer.tokenizer import build_tokenizer
+
+    needed = build_tokenizer(tokenizer).vocab_size
+    if needed > vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer} has ids up to {needed - 1}, beyond the model's "
+                          f"vocabulary of {vocab_size}: not the tokenizer this model was trained with")
 
 
 def shard_bytes(size: str) -> int:
@@ -71,12 +122,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="to-hf: the dtype written (default bfloat16)")
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: the largest shard file (default 5GB)")
+    parser.add_argument("--tokenizer", help="to-hf: the tokenizer to write, when the checkpoint holds none "
+                                            "(a tokenizer.json, or a folder holding one)")
     args = parser.parse_args(argv)
     try:
         if args.direction == "from-hf":
             from_hf(args.source, args.out, args.model)
         else:
-            to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size)
+            to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size, args.tokenizer)
     except ConfigError as e:
         sys.stderr.write(f"config error: {e}\n")
         sys.exit(2)

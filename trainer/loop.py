@@ -79,7 +79,7 @@ class Trainer:
         self.checkpointer = None
         if checkpoint.enabled:
             self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint.interval, checkpoint.keep_last,
-                                             checkpoint.async_save, config["model"], device)
+                                             checkpoint.async_save, config["model"], device, job.data.tokenizer)
             self.checkpointer.before_publish = partial(self.faults.hang_or_kill, "kill_save")
 
         self.logger = MetricsLogger(str(self.output_dir), self.rank == 0, job.metrics.wandb, config,

@@ -27,6 +27,7 @@ from trainer.checkpoint.files import (
     verify,
 )
 from trainer.checkpoint.state import TrainState, check_model, load_weights, saved_config
+from trainer.checkpoint.tokenizer_files import copy_tokenizer
 from trainer.config import ModelConfig
 from trainer.distributed import gloo_group, max_restarts, restart_count
 from trainer.errors import TrainingStopped
@@ -84,9 +85,9 @@ class Checkpointer:
     removal of old checkpoints happen on a background thread, over a gloo group of their own."""
 
     def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool, model_config: dict,
-                 device: torch.device):
+                 device: torch.device, tokenizer: str = "bytes"):
         self.folder, self.interval, self.keep_last, self.async_save = folder, interval, keep_last, async_save
-        self.model_config = model_config
+        self.model_config, self.tokenizer = model_config, tokenizer  # (data.tokenizer: its files go in each save)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = self.stager = self.background = None
         if async_save:
@@ -132,6 +133,7 @@ class Checkpointer:
         def start_folder() -> None:
             tmp.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
+            copy_tokenizer(self.tokenizer, tmp)
 
         on_rank_0(start_folder, tmp, self.rank, self.world)
         if self.async_save and not wait:

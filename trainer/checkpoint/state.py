@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.checkpoint.files import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
 from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
+from trainer.checkpoint.tokenizer_files import copy_tokenizer
 from trainer.config import ModelConfig, head_dim
 from trainer.errors import ConfigError
 from trainer.float8 import plain
@@ -156,14 +157,17 @@ def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str 
     TrainState(parts).load_weights(path)
 
 
-def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path) -> None:
-    """Writes full weights as a weights-only checkpoint (a seed or converted one), from one process."""
+def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path, tokenizer: str | None = None) -> None:
+    """Writes full weights as a weights-only checkpoint (a seed or converted one), from one process,
+    with `tokenizer`'s files (data.tokenizer's form) when given."""
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; choose a new directory")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     OmegaConf.save(OmegaConf.structured(cfg), tmp / MODEL_CONFIG)
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer, tmp)
     with quiet_single_process():
         dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
     if out.exists():

@@ -1,0 +1,75 @@
+"""The tokenizer travels with the weights: a checkpoint keeps the files of the tokenizer it was trained
+with, and the Hugging Face export writes them with the right special ids, so that transformers'
+AutoTokenizer encodes as training did and `generate` stops on the trained end-of-sequence token."""
+
+import json
+import sys
+
+import pytest
+import torch
+from helpers import REPO
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer import build_model
+from trainer.checkpoint.state import save_weights
+from trainer.errors import ConfigError
+from trainer.tokenizer import build_tokenizer
+
+sys.path.insert(0, str(REPO / "scripts"))
+import convert_hf  # noqa: E402
+
+TEXT = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine", "\"quoted\" words, too"]
+
+
+def bpe_tokenizer(folder):
+    """A byte-level BPE whose end-of-sequence token is id 0 (where transformers' default is 2)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TEXT * 20, trainer)
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+def test_an_export_generates_with_its_own_tokenizer_and_stops_on_its_eos(tmp_path, capsys):
+    spec = str(bpe_tokenizer(tmp_path / "tok"))
+    trained = build_tokenizer(spec)
+    assert trained.eos_id == 0 and trained.vocab_size <= 300
+    model = build_model({"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                         "vocab_size": 300, "ffn_dim": 96}, seed=0)
+    # The final norm's weight zeroed: every logit is 0 and greedy decoding picks id 0, the EOS.
+    model.norm.weight.data.zero_()
+    save_weights(model.config, dict(model.state_dict()), tmp_path / "ckpt", tokenizer=spec)
+    convert_hf.to_hf(tmp_path / "ckpt", tmp_path / "hf", None, "float32", "5GB")
+    said = capsys.readouterr().out
+    assert "wrote the tokenizer" in said and "eos 0" in said, said
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tokenizer.eos_token_id == 0
+    for text in TEXT:
+        assert hf_tokenizer(text, add_special_tokens=False).input_ids == trained.encode(text)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (0, None)
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    prompt = hf_tokenizer(TEXT[0], return_tensors="pt")
+    out = hf_model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert out[0, prompt.input_ids.shape[1]:].tolist() == [0]  # one token, the EOS, and it stopped
+
+
+def test_an_export_without_a_tokenizer_says_so_and_claims_no_ids(tmp_path, capsys):
+    model = build_model("llama_debug", seed=0)
+    save_weights(model.config, dict(model.state_dict()), tmp_path / "ckpt")
+    convert_hf.to_hf(tmp_path / "ckpt", tmp_path / "hf", None, "bfloat16", "5GB")
+    assert "no tokenizer:" in capsys.readouterr().out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] is None and config["bos_token_id"] is None
+    with pytest.raises(ConfigError, match=r"has ids up to 299, beyond the model's vocabulary of 256"):
+        small = build_model({"family": "llama", "dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                             "vocab_size": 256, "ffn_dim": 64}, seed=0)
+        save_weights(small.config, dict(small.state_dict()), tmp_path / "small")
+        convert_hf.to_hf(tmp_path / "small", tmp_path / "hf2", None, "bfloat16", "5GB",
+                         str(bpe_tokenizer(tmp_path / "tok")))
