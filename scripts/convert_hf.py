@@ -1,8 +1,9 @@
 """Converts between Hugging Face directories and this trainer's checkpoints.
 
-    python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME]   # OUT: usable as checkpoint.initial
+    python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME] [--write-config NAME]   # OUT: checkpoint.initial
     python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH] [--dtype bfloat16] [--max-shard-size 5GB]
 
+--write-config NAME also writes configs/model/NAME.yaml, the model HF_DIR holds, for `model=NAME`.
 CKPT is any checkpoint of ours (a training checkpoint in any layout, a seed or a converted one).
 --model names one of configs/model/ to check the weights against (from-hf) or to use when CKPT
 holds no model.yaml (to-hf). to-hf streams one tensor at a time into safetensors shards of at most
@@ -40,16 +41,21 @@ from trainer.models import model_config  # noqa: E402
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
 
 
-def from_hf(hf_dir: Path, out: Path, model: str | None) -> None:
+def from_hf(hf_dir: Path, out: Path, model: str | None, write_config: str | None = None) -> None:
     cfg, weights = read_hf(hf_dir)
     if model is not None:
         named = model_config(model)
         check_model(named, cfg, f"{hf_dir}")
         cfg.name = named.name
+    cfg.name = write_config or cfg.name
+    if write_config is not None:
+        model_config_path(write_config)  # (refused before any weight is written)
     tokenizer = held_tokenizer(hf_dir)
     save_weights(cfg, weights, out, tokenizer)
     print(f"wrote {cfg.family} model {cfg.name} ({sum(w.numel() for w in weights.values()) / 1e6:.2f}M values) to {out}"
           + (" with its tokenizer" if tokenizer else "; no tokenizer.json beside the weights"))
+    if write_config is not None:
+        print(f"wrote {write_model_config(cfg, hf_dir)}: train it with model={write_config}")
 
 
 def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str,
@@ -77,6 +83,26 @@ def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_
         written = export_tokenizer(tokenizer, out)
         print(f"wrote the tokenizer from {tokenizer} ({', '.join(written)}); config.json and "
               f"generation_config.json say {said}")
+
+
+def model_config_path(name: str) -> Path:
+    """configs/model/NAME.yaml, which must not exist yet."""
+    from trainer import config_files
+
+    path = config_files.CONFIG_DIR / "model" / f"{name}.yaml"
+    if path.exists():
+        raise ConfigError(f"--write-config={name}: {path} exists; choose another name")
+    return path
+
+
+def write_model_config(cfg, hf_dir: Path) -> Path:
+    """configs/model/NAME.yaml (NAME: cfg.name) holding `cfg`."""
+    from omegaconf import OmegaConf
+
+    path = model_config_path(cfg.name)
+    path.write_text(f"# The model of {hf_dir.resolve()} (scripts/convert_hf.py from-hf --write-config).\n"
+                    + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return path
 
 
 def run_tokenizer(checkpoint: Path) -> str | None:
@@ -122,12 +148,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="to-hf: the dtype written (default bfloat16)")
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf: the largest shard file (default 5GB)")
+    parser.add_argument("--write-config", metavar="NAME",
+                        help="from-hf: also write configs/model/NAME.yaml, the model the directory holds")
     parser.add_argument("--tokenizer", help="to-hf: the tokenizer to write, when the checkpoint holds none "
                                             "(a tokenizer.json, or a folder holding one)")
     args = parser.parse_args(argv)
     try:
         if args.direction == "from-hf":
-            from_hf(args.source, args.out, args.model)
+            from_hf(args.source, args.out, args.model, args.write_config)
         else:
             to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size, args.tokenizer)
     except ConfigError as e:

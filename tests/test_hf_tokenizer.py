@@ -73,3 +73,37 @@ def test_an_export_without_a_tokenizer_says_so_and_claims_no_ids(tmp_path, capsy
         save_weights(small.config, dict(small.state_dict()), tmp_path / "small")
         convert_hf.to_hf(tmp_path / "small", tmp_path / "hf2", None, "bfloat16", "5GB",
                          str(bpe_tokenizer(tmp_path / "tok")))
+
+
+def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tmp_path, monkeypatch, capsys):
+    """checkpoint.initial from a directory of another shape: one error naming every differing key with
+    the overrides that match it (applied, the check passes); from-hf --write-config makes the config."""
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer import config_files
+    from trainer.checkpoint.files import CheckpointError
+    from trainer.checkpoint.hf import config_from_hf
+    from trainer.checkpoint.state import check_model
+    from trainer.models import model_config
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0)).save_pretrained(
+        tmp_path / "hf")
+    theirs, ours = config_from_hf(tmp_path / "hf"), model_config("llama_debug")
+    with pytest.raises(CheckpointError) as e:
+        check_model(ours, theirs, "checkpoint.initial=hf")
+    message = str(e.value)
+    for key in ("dim=64", "n_layers=2", "n_heads=4", "n_kv_heads=2", "vocab_size=300", "ffn_dim=96"):
+        assert f"model.{key} (this model:" in message, message
+    overrides = message.split("to train it, add ")[1].split()
+    matched = OmegaConf.merge(OmegaConf.structured(ours), OmegaConf.from_dotlist([o[len("model."):] for o in overrides]))
+    check_model(OmegaConf.to_object(matched), theirs, "checkpoint.initial=hf")
+
+    (tmp_path / "configs" / "model").mkdir(parents=True)
+    monkeypatch.setattr(config_files, "CONFIG_DIR", tmp_path / "configs")
+    convert_hf.from_hf(tmp_path / "hf", tmp_path / "ours", None, write_config="my_llama")
+    assert "train it with model=my_llama" in capsys.readouterr().out
+    check_model(model_config("my_llama"), theirs, "checkpoint.initial=hf")
+    with pytest.raises(ConfigError, match=r"--write-config=my_llama: .* exists"):
+        convert_hf.from_hf(tmp_path / "hf", tmp_path / "ours2", None, write_config="my_llama")

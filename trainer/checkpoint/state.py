@@ -185,14 +185,20 @@ _SAME = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "voca
 
 
 def check_model(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None:
-    """A checkpoint loads only into the same architecture; the first difference is the error."""
+    """A checkpoint loads only into the same architecture: every difference is named at once, with the
+    overrides that would make this model match it."""
     if saved is None:
         return
+    differ = []
     for name in _SAME:
         a, b = getattr(saved, name), getattr(ours, name)
         if name == "head_dim":  # null is dim / n_heads
             a, b = head_dim(saved), head_dim(ours)
         if a != b and not (isinstance(a, float) and abs(a - b) <= 1e-9 * abs(b)):
-            raise CheckpointError(f"{what} holds a model with model.{name}={a}, but this model has model.{name}={b}")
+            differ.append((name, a, b))
+    if differ:
+        said = ", ".join(f"model.{name}={a} (this model: {b})" for name, a, b in differ)
+        overrides = " ".join(f"model.{name}={'null' if a is None else a}" for name, a, _ in differ)
+        raise CheckpointError(f"{what} holds a model of another shape: {said}; to train it, add {overrides}")
 
 
