@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from trainer.checkpoint.files import MODEL_CONFIG  # noqa: E402
+from trainer.checkpoint.files import MODEL_CONFIG, newest_step  # noqa: E402
 from trainer.checkpoint.hf import read_hf  # noqa: E402
 from trainer.checkpoint.hf_export import export_hf  # noqa: E402
 from trainer.checkpoint.state import check_model, save_weights, saved_config  # noqa: E402
@@ -60,6 +60,7 @@ def from_hf(hf_dir: Path, out: Path, model: str | None, write_config: str | None
 
 def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str,
           tokenizer: str | None = None) -> None:
+    checkpoint = newest_step(checkpoint, "to-hf", print)
     cfg = model_config(model) if model is not None else saved_config(checkpoint)
     if cfg is None:
         raise ConfigError(f"{checkpoint} has no {MODEL_CONFIG}; name the model with --model")

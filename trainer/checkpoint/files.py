@@ -202,5 +202,18 @@ def find_resume(folder: Path | list[Path], rank: int, world: int, log) -> Path |
 
 
 
+def newest_step(path: Path, key: str, log) -> Path:
+    """Collective: `path` itself when it is a checkpoint; for a run's output folder (or its
+    checkpoints/ folder) given instead, its newest complete step, said in one line."""
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if (path / MANIFEST).is_file() or not checkpoint_steps(folder):
+        return path
+    found = find_resume(folder, *rank_world(), log)
+    if found is None:
+        raise CheckpointError(f"{key}={path} is a run's folder with no complete checkpoint in {folder}")
+    log(f"checkpoint: {key}={path} is a run's folder: its newest complete step is {found}")
+    return found
+
+
 def rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

@@ -9,12 +9,15 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.files import MANIFEST, checkpoint_steps
+from trainer.checkpoint.state import SHAPE
 from trainer.config import CheckpointConfig
 from trainer.errors import ConfigError
 
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size", "training.lr",
                  "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",
                  "training.mixed_precision.")
+# The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
+SHAPE_KEYS = tuple(f"model.{name}=" for name in SHAPE)
 
 
 def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> None:
@@ -29,6 +32,11 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
     saved, now = _flat(OmegaConf.to_container(OmegaConf.load(saved_file))), _flat(config)
     changed = [f"{key}={saved.get(key)} -> {now.get(key)}" for key in sorted(saved.keys() | now.keys())
                if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
+    if any(key.startswith(SHAPE_KEYS) for key in changed):  # not resumable at all: no flag offered
+        raise ConfigError(f"output_dir={output_dir} holds checkpoints of another model "
+                          f"({', '.join(c for c in changed if c.startswith(SHAPE_KEYS))}), which cannot be "
+                          f"resumed with this one; choose another output_dir (checkpoint.initial=... takes "
+                          f"weights of the same shape only)")
     if changed:
         raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with other settings "
                           f"({', '.join(changed[:8])}); choose another output_dir, or set "

@@ -21,6 +21,7 @@ from trainer.checkpoint.files import (
     SaveFailed,
     checkpoint_steps,
     find_resume,
+    newest_step,
     on_rank_0,
     publish,
     rank_world,
@@ -41,7 +42,7 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
     rank, world = rank_world()
     path = None
     if cfg.resume not in ("auto", "none"):
-        path = Path(cfg.resume)
+        path = newest_step(Path(cfg.resume), "checkpoint.resume", log)
         problem = verify(path, rank, world)
         if problem is not None:
             raise CheckpointError(f"checkpoint.resume={cfg.resume} cannot be loaded: {problem}")
@@ -57,7 +58,8 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
             f"(loaded in {time.perf_counter() - started:.2f}s)")
         return step, position, saved_world
     if cfg.initial:
-        load_weights(list(state.model), cfg.initial, key="checkpoint.initial")
+        load_weights(list(state.model), newest_step(Path(cfg.initial), "checkpoint.initial", log),
+                     key="checkpoint.initial")
         log(f"checkpoint: initial weights from {cfg.initial}")
     return 0, 0, None
 

@@ -180,7 +180,7 @@ def saved_config(path: Path) -> ModelConfig | None:
     return model_config(OmegaConf.load(file)) if file.is_file() else None
 
 
-_SAME = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "norm_eps",
+SHAPE = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "norm_eps",
          "rope_theta", "n_experts", "top_k", "n_shared_experts", "tie_embeddings")
 
 
@@ -190,7 +190,7 @@ def check_model(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None
     if saved is None:
         return
     differ = []
-    for name in _SAME:
+    for name in SHAPE:
         a, b = getattr(saved, name), getattr(ours, name)
         if name == "head_dim":  # null is dim / n_heads
             a, b = head_dim(saved), head_dim(ours)

@@ -1,0 +1,55 @@
+"""Paths that almost work: a run's output folder given where a checkpoint is expected resolves to its
+newest complete step; a rerun over checkpoints of another model is refused without offering a flag
+that could not help."""
+
+import shutil
+import sys
+
+import pytest
+from helpers import REPO
+from omegaconf import OmegaConf
+
+from trainer import build_model
+from trainer.checkpoint.files import CheckpointError, newest_step
+from trainer.checkpoint.rerun import check_rerun
+from trainer.checkpoint.state import save_weights
+from trainer.config import CheckpointConfig
+from trainer.errors import ConfigError
+
+sys.path.insert(0, str(REPO / "scripts"))
+import convert_hf  # noqa: E402
+
+
+def test_a_run_folder_resolves_to_its_newest_complete_step(tmp_path, capsys):
+    model = build_model("llama_debug", seed=0)
+    for step in (2, 4, 6):
+        save_weights(model.config, dict(model.state_dict()), tmp_path / "run" / "checkpoints" / f"step_{step}")
+    (tmp_path / "run" / "checkpoints" / "step_6" / "manifest.json").unlink()  # a save that never finished
+    said = []
+    for given in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        assert newest_step(given, "checkpoint.resume", said.append) == tmp_path / "run" / "checkpoints" / "step_4"
+    assert said[-1] == (f"checkpoint: checkpoint.resume={tmp_path / 'run' / 'checkpoints'} is a run's folder: its "
+                        f"newest complete step is {tmp_path / 'run' / 'checkpoints' / 'step_4'}")
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    assert newest_step(step, "checkpoint.initial", said.append) == step  # a checkpoint is itself
+    convert_hf.to_hf(tmp_path / "run", tmp_path / "hf", None, "bfloat16", "5GB")
+    assert "its newest complete step is" in capsys.readouterr().out and (tmp_path / "hf" / "config.json").is_file()
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_2")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_4")
+    with pytest.raises(CheckpointError, match=r"is a run's folder with no complete checkpoint"):
+        newest_step(tmp_path / "run", "checkpoint.resume", said.append)
+
+
+def test_a_rerun_over_another_models_checkpoints_offers_no_flag(tmp_path):
+    model = build_model("llama_debug", seed=0)
+    save_weights(model.config, dict(model.state_dict()), tmp_path / "checkpoints" / "step_2")
+    config = {"model": {"dim": 256, "name": "llama_debug"}, "training": {"lr": 1e-3}}
+    OmegaConf.save(OmegaConf.create(config), tmp_path / "config.yaml")
+    resume = CheckpointConfig(enabled=True)
+    with pytest.raises(ConfigError, match=r"trained with other settings \(training.lr=0.001 -> 0.002\).*"
+                                          r"checkpoint.allow_config_change=true"):
+        check_rerun({**config, "training": {"lr": 2e-3}}, resume, str(tmp_path))
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another model \(model.dim=256 -> 512\), which "
+                                          r"cannot be resumed with this one; choose another output_dir") as e:
+        check_rerun({**config, "model": {"dim": 512, "name": "llama_debug"}}, resume, str(tmp_path))
+    assert "allow_config_change" not in str(e.value)
