@@ -53,3 +53,16 @@ def test_a_rerun_over_another_models_checkpoints_offers_no_flag(tmp_path):
                                           r"cannot be resumed with this one; choose another output_dir") as e:
         check_rerun({**config, "model": {"dim": 512, "name": "llama_debug"}}, resume, str(tmp_path))
     assert "allow_config_change" not in str(e.value)
+
+
+def test_more_steps_on_a_resumed_run_says_how_the_schedule_changes(tmp_path):
+    model = build_model("llama_debug", seed=0)
+    save_weights(model.config, dict(model.state_dict()), tmp_path / "checkpoints" / "step_6")
+    config = {"training": {"steps": 10, "lr": 1e-3, "warmup_steps": 2}, "optim": {"min_lr_ratio": 0.1}}
+    OmegaConf.save(OmegaConf.create(config), tmp_path / "config.yaml")
+    resume = CheckpointConfig(enabled=True)
+    assert check_rerun(config, resume, str(tmp_path)) is None
+    longer = {**config, "training": {**config["training"], "steps": 20}}
+    assert check_rerun(longer, resume, str(tmp_path)) == (
+        "schedule: training.steps 10 -> 20 re-plans the cosine decay to end at step 20: the learning rate after "
+        "the newest checkpoint (step 6) goes from 0.00055 (as planned) to 0.000895")

@@ -47,7 +47,9 @@ def run(cfg: DictConfig) -> None:
     device = resolve_device(job.device)
     dims, checkpoint = check_config(job, world_size())
     check_lighthouse(job)
-    check_rerun(OmegaConf.to_container(cfg, resolve=True), checkpoint, job.output_dir)
+    schedule_change = check_rerun(OmegaConf.to_container(cfg, resolve=True), checkpoint, job.output_dir)
+    if schedule_change and int(os.environ.get("RANK", "0")) == 0:
+        print(schedule_change, flush=True)
     check_writable(job.output_dir)
     try:
         predicted = check_memory(job, dims, device) if job.plan.check else None

@@ -12,6 +12,7 @@ from trainer.checkpoint.files import MANIFEST, checkpoint_steps
 from trainer.checkpoint.state import SHAPE
 from trainer.config import CheckpointConfig
 from trainer.errors import ConfigError
+from trainer.optim import lr_lambda
 
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size", "training.lr",
                  "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",
@@ -20,15 +21,16 @@ TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.glob
 SHAPE_KEYS = tuple(f"model.{name}=" for name in SHAPE)
 
 
-def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> None:
+def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> str | None:
     """A config error when this job would resume output_dir's checkpoints with other training settings
-    than config.yaml says they were trained with (unless checkpoint.allow_config_change=true)."""
+    than config.yaml says they were trained with (unless checkpoint.allow_config_change=true). Returns
+    a line to say when it resumes them with another number of steps: the schedule changes."""
     saved_file = Path(output_dir) / "config.yaml"
-    if not (checkpoint.enabled and checkpoint.resume == "auto") or checkpoint.allow_config_change:
-        return
-    steps = checkpoint_steps(Path(output_dir) / "checkpoints")
-    if not saved_file.is_file() or not any((path / MANIFEST).is_file() for _, path in steps):
-        return
+    if not (checkpoint.enabled and checkpoint.resume == "auto"):
+        return None
+    steps = [step for step, path in checkpoint_steps(Path(output_dir) / "checkpoints") if (path / MANIFEST).is_file()]
+    if not saved_file.is_file() or not steps:
+        return None
     saved, now = _flat(OmegaConf.to_container(OmegaConf.load(saved_file))), _flat(config)
     changed = [f"{key}={saved.get(key)} -> {now.get(key)}" for key in sorted(saved.keys() | now.keys())
                if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
@@ -37,10 +39,24 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
                           f"({', '.join(c for c in changed if c.startswith(SHAPE_KEYS))}), which cannot be "
                           f"resumed with this one; choose another output_dir (checkpoint.initial=... takes "
                           f"weights of the same shape only)")
-    if changed:
+    if changed and not checkpoint.allow_config_change:
         raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with other settings "
                           f"({', '.join(changed[:8])}); choose another output_dir, or set "
                           f"checkpoint.allow_config_change=true to resume them with these")
+    return _schedule_change(saved, now, steps[-1])
+
+
+def _schedule_change(saved: dict, now: dict, step: int) -> str | None:
+    """What a new training.steps does to the learning rate of the step after `step`, if it changes."""
+    before, after = saved.get("training.steps"), now.get("training.steps")
+    if before == after or not all(isinstance(v, int) for v in (before, after)):
+        return None
+    lr, warmup, floor = now.get("training.lr"), now.get("training.warmup_steps"), now.get("optim.min_lr_ratio")
+    if not all(isinstance(v, (int, float)) for v in (lr, warmup, floor)):
+        return None
+    old, new = (lr * lr_lambda(warmup, total, floor)(step) for total in (before, after))
+    return (f"schedule: training.steps {before} -> {after} re-plans the cosine decay to end at step {after}: the "
+            f"learning rate after the newest checkpoint (step {step}) goes from {old:.3g} (as planned) to {new:.3g}")
 
 
 def _flat(node, prefix: str = "") -> dict:
