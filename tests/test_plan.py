@@ -4,6 +4,7 @@ check before launch, and the predictions held against what training measures."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,14 @@ def test_every_recipe_fits_its_stated_hardware(recipe, capsys):
         assert all(rank[f"{t}_gib"] >= 0 for t in terms) and rank["peak_gib"] <= 0.9 * plan["device_memory_gib"]
     assert plan["step_time_s"] > 0 and plan["tokens_per_s"] > 0 and 0 < plan["mfu"] < 1
     assert elapsed < 20, f"planning {recipe} took {elapsed:.1f}s"
+    # The figures the recipe's comment and the README's table state are the plan's.
+    peak = f"{max(rank['peak_gib'] for rank in plan['ranks']):.1f}"
+    speed = f"{plan['tokens_per_s']:,.0f}, {100 * plan['mfu']:.1f}%"
+    comment = re.search(r"([\d.]+) GiB", (RECIPE_DIR / f"{recipe}.yaml").read_text())
+    assert comment and comment.group(1) == peak, f"recipes/{recipe}.yaml says {comment and comment.group(1)} GiB, the plan {peak}"
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(f"| `{recipe}` |"))
+    cells = [cell.strip() for cell in row.split("|")]
+    assert cells[4:6] == [peak, speed], f"README's {recipe} row says {cells[4:6]}, the plan {[peak, speed]}"
 
 
 def test_plan_terms_follow_the_layout(capsys):
