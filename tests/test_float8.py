@@ -34,7 +34,11 @@ KERNEL = ("training.float8.emulate=false",)  # torch's _scaled_mm: the GPU's pat
 # 4e-5, checked by resuming one checkpoint in each); HSDP 2x2 lands 4e-3 off at step 4 that way.
 FLOAT8_RTOL = 2e-3
 FLOAT8_GRAD_NORM_RTOL = 3e-2
-LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL = 5e-3, 6e-2  # context parallel (no one-process run splits the sequence), HSDP
+LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL = 5e-3, 6e-2  # context parallel (no one-process run splits the sequence)
+# HSDP 2x2 lands 4.0e-3 off at the step-4 spike with AVX-512 kernels, 5.1e-3 with torch's AVX2 ones (an AVX2-only
+# CPU, or ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2): the spike, not the layout
+# (a lower lr is no cure for float8 here: at 1e-3 its curves part by 1e-2 and pp2 diverges).
+HSDP_RTOL, HSDP_GRAD_NORM_RTOL = 8e-3, LOOSE_GRAD_NORM_RTOL  # (gradient norms: 1.5e-2, 1.2e-2)
 ACCUM2 = ("training.grad_accum_steps=2",)
 TRACK_RTOL = 1e-2  # float8 against fp32 (measured: 1.8e-3)
 KERNEL_RTOL = 5e-3  # the float8 kernel against emulation (measured: 1.9e-3)
@@ -77,8 +81,8 @@ def float8_reference(tmp_path_factory):
 def test_float8_layout_matches_single_process(layout, float8_reference, tmp_path):
     ranks, overrides, reference_overrides = FLOAT8_LAYOUTS[layout]
     records = train_metrics(ranks, *emulated(overrides), *COMMON, *FLOAT8, *CHUNKED, output_dir=tmp_path)
-    loose = "cp2" in layout or "hsdp" in layout
-    rtol, grad_norm_rtol = (LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL) if loose else (FLOAT8_RTOL, FLOAT8_GRAD_NORM_RTOL)
+    rtol, grad_norm_rtol = ((HSDP_RTOL, HSDP_GRAD_NORM_RTOL) if "hsdp" in layout else
+                            (LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL) if "cp2" in layout else (FLOAT8_RTOL, FLOAT8_GRAD_NORM_RTOL))
     check_against(float8_reference(reference_overrides), records, f"float8 {layout}", rtol, grad_norm_rtol)
 
 
