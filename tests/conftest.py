@@ -1,5 +1,5 @@
-"""Keeps the suite's token caches out of the user's home (one folder for the session, inherited by the
-ranks the tests launch), and keeps the fast tier fast: a test that starts a process, in its body or in
+"""Keeps the suite's token and compiled-kernel caches out of the user's (one folder each for the session,
+inherited by the ranks the tests launch), and keeps the fast tier fast: a test that starts a process, in its body or in
 any fixture it sets up (of any scope), must be marked `multiprocess`, or it fails saying so."""
 
 import contextlib
@@ -11,6 +11,10 @@ import tempfile
 import pytest
 
 os.environ.setdefault("TRAINER_CACHE", tempfile.mkdtemp(prefix="trainer-cache-"))
+# Inductor's compiled kernels too: a cache left by other runs can hold kernels that corrupt the heap (seen:
+# the float8 pp2 compile row aborting in malloc after runs killed mid-compile and runs with
+# ATEN_CPU_CAPABILITY=avx2; which of the two, not established; a fresh cache passes).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cache-"))
 
 
 @contextlib.contextmanager
