@@ -69,9 +69,10 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     try:
-        check_overrides(sys.argv[1:])
-        if not any(arg.startswith("-") for arg in sys.argv[1:]):  # (Hydra's flags print, they do not run)
-            compose_job(sys.argv[1:])  # every file it reads parses, every value has its type
+        if any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's flags (--cfg job) print, they do not run
+            check_overrides(sys.argv[1:])
+        else:
+            compose_job(sys.argv[1:])  # the overrides checked, every file parsed, every value of its type
     except ConfigError as e:
         config_error(e)
     main()
