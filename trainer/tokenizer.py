@@ -30,6 +30,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos_id = 0
     bos_id = None
+    pad_id = None
     fingerprint = "bytes"  # what identifies the ids it gives (token caches are keyed by it)
 
     def encode(self, text: str) -> list[int]:
@@ -71,6 +72,8 @@ class HFTokenizer:
         self.bos_id = self.tokenizer.token_to_id(bos) if bos and config.get("add_bos_token", True) else None
         if self.bos_id == self.eos_id:
             self.bos_id = None
+        pad = _token_name(config.get("pad_token"))
+        self.pad_id = self.tokenizer.token_to_id(pad) if pad else None
         content = file.read_bytes() + f"|bos {self.bos_id}|eos {self.eos_id}".encode()
         self.fingerprint = hashlib.sha256(content).hexdigest()[:16]
 

@@ -41,12 +41,7 @@ def special_ids(spec: str) -> dict[str, int | None]:
     """bos/eos/pad token ids as transformers' configs name them: the ones training used (pad: the
     tokenizer's own, else end-of-sequence, as generate pads)."""
     tokenizer = build_tokenizer(spec)
-    pad = None
-    if spec != "bytes":
-        config = tokenizer_files(spec).get(BESIDE[0])
-        token = json.loads(config.read_text()).get("pad_token") if config else None
-        token = token.get("content") if isinstance(token, dict) else token
-        pad = tokenizer.tokenizer.token_to_id(token) if token else None
+    pad = tokenizer.pad_id
     return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
             "pad_token_id": tokenizer.eos_id if pad is None else pad}
 
