@@ -241,9 +241,13 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
     assert abs(predicted / measured - 1) <= MEMORY_RTOL, f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f}"
     if timed:
         speed = statistics.median(r["tokens_per_s"] for r in records[COUNTED:])
-        if abs(plan.tokens_per_s / speed - 1) > SPEED_RTOL:  # once more: this shared box slows a whole run at times
+        if abs(plan.tokens_per_s / speed - 1) > SPEED_RTOL:
+            # Once more, the run and the matmul timing both: this shared box slows either at times.
             rerun = train_metrics(ranks, *overrides, output_dir=tmp_path / "again", timeout=300)
             speed = max(speed, statistics.median(r["tokens_per_s"] for r in rerun[COUNTED:]))
+            device = max(device, measure_cpu(ranks, threads=1), key=lambda d: d.fp32_tflops)
+            plan = make_plan(job, check_job(job, ranks), device, expert_load=load)
+        print(f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f} ({plan.tokens_per_s / speed - 1:+.1%})")
         assert abs(plan.tokens_per_s / speed - 1) <= SPEED_RTOL, \
             f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f}"
 
