@@ -94,7 +94,8 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     tokens_per_s = statistics.median(rates)
     peak = measure_cpu_tflops()
     return {
-        "name": "plain PyTorch loop" + (" (bf16 autocast)" if bf16 else ""), "ranks": 1, "threads_per_rank": threads, "tokens_per_s": tokens_per_s,
+        "name": "plain PyTorch loop" + (" (bf16 autocast)" if bf16 else ""), "ranks": 1, "threads_per_rank": threads,
+        "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token(cfg.model, seq_len) / (peak * 1e12),
         "mem_gib": peak_memory_gib(torch.device("cpu")),
         "param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,

@@ -1,6 +1,7 @@
 """How fast the data loader makes batches, to hold against the trainer's tokens/s.
 
-    python scripts/bench_loader.py [--steps 200] [--dp 1] data.source=binary data.path=data/corpus.bin training.seq_len=256
+    python scripts/bench_loader.py [--steps 200] [--dp 1] \
+        data.source=binary data.path=data/corpus.bin training.seq_len=256
 
 Composes the config as train.py does (any overrides), builds the training windows (timed: a text,
 json or parquet source is tokenized into the cache then, unless it is there) and reads `--steps`

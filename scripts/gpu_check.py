@@ -154,7 +154,8 @@ def check_moe_layer(device, args) -> tuple[str, str]:
     grouped = experts(tokens, counts)
     looped = _expert_swiglu_loop(tokens, counts, experts.w1, experts.w2, experts.w3)
     error = (grouped.float() - looped.float()).abs().max().item() / looped.float().abs().max().item()
-    syncs = "no host sync (set_sync_debug_mode error)" if device.type == "cuda" else "syncs counted by tests/test_moe.py"
+    syncs = ("no host sync (set_sync_debug_mode error)" if device.type == "cuda"
+             else "syncs counted by tests/test_moe.py")
     ok = error < TOLERANCE[dtype] and x.grad is not None and torch.isfinite(x.grad).all()
     return ("PASS" if ok else "FAIL"), f"{str(dtype)[6:]}: grouped vs looped rel. {error:.1e}; {syncs}"
 
@@ -294,7 +295,8 @@ def main() -> None:
     if cuda:
         print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | one GPU: NCCL paths not checked")
     else:
-        print(f"no GPU: the CUDA checks are skipped; the CPU-runnable ones run at tiny sizes | torch {torch.__version__}")
+        print("no GPU: the CUDA checks are skipped; the CPU-runnable ones run at tiny sizes | "
+              f"torch {torch.__version__}")
     failed = 0
     for check in CHECKS:
         try:

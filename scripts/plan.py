@@ -91,7 +91,8 @@ def format_plan(plan, job) -> str:
     t = job.training
     degrees = " ".join(f"{k}={getattr(d, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
     lines = [
-        f"{job.model.name} on {plan.world_size} x {plan.device.name} ({plan.device.memory_gib:.0f} GiB each) | {degrees}",
+        f"{job.model.name} on {plan.world_size} x {plan.device.name} ({plan.device.memory_gib:.0f} GiB each) "
+        f"| {degrees}",
         f"batch {t.global_batch_size} x {t.seq_len} tokens, accumulation {d.grad_accum_steps}, "
         f"{d.pp_microbatches} pipeline microbatches, activation checkpointing {t.activation_checkpoint}",
         "",

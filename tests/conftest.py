@@ -1,6 +1,7 @@
 """Keeps the suite's token and compiled-kernel caches out of the user's (one folder each for the session,
 inherited by the ranks the tests launch), and keeps the fast tier fast: a test that starts a process, in its body or in
-any fixture it sets up (of any scope), must be marked `multiprocess`, or it fails saying so."""
+any fixture it sets up (of any scope), must be marked `multiprocess` (or `tool`: one short command that starts no
+ranks), or it fails saying so."""
 
 import contextlib
 import multiprocessing.process
@@ -19,7 +20,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="induct
 
 @contextlib.contextmanager
 def _no_processes(item):
-    if item.get_closest_marker("multiprocess"):
+    if item.get_closest_marker("multiprocess") or item.get_closest_marker("tool"):
         yield
         return
 

@@ -72,7 +72,8 @@ def test_kernel_and_its_gradients_match_float64_attention(kernel, monkeypatch):
         where = f"{kernel} {dtype} kv_heads={kv_heads} {name}"
         for what, mine, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *expected_grads)):
             assert mine.dtype == dtype, f"{where}: {what} is {mine.dtype}"
-            assert relative_error(mine, theirs) < TOLERANCE[dtype], f"{where}: {what} off by {relative_error(mine, theirs)}"
+            error = relative_error(mine, theirs)
+            assert error < TOLERANCE[dtype], f"{where}: {what} off by {error}"
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")

@@ -101,7 +101,8 @@ def test_llama_3_1_rotary_scaling_composes_and_bad_values_are_config_errors():
 
     model = OmegaConf.to_object(composed("model=llama3_2_1b").model)
     check_model(model)
-    assert (model.rope_scaling.factor, model.rope_scaling.original_max_seq_len, model.max_seq_len) == (32.0, 8192, 131072)
+    scaling = model.rope_scaling
+    assert (scaling.factor, scaling.original_max_seq_len, model.max_seq_len) == (32.0, 8192, 131072)
     for override, message in (("type=yarn", "model.rope_scaling.type=yarn is not supported"),
                               ("low_freq_factor=4.0", "low_freq_factor=4.0 must be > 0 and below high_freq_factor"),
                               ("factor=0.5", "model.rope_scaling.factor=0.5 must be >= 1")):

@@ -200,7 +200,8 @@ def test_json_jsonl_and_parquet_rows_are_documents(tmp_path):
         config = DataConfig(source=source, path=str(tmp_path / pattern), text_field="body")
         windows = all_windows(config, seq_len=16)
         assert len(windows) == len(expected) and all(torch.equal(a, b) for a, b in zip(windows, expected)), source
-    with pytest.raises(ConfigError, match=r"data.text_field=text is not a column of .*; its columns are \['body', 'id'\]"):
+    wanted = r"data.text_field=text is not a column of .*; its columns are \['body', 'id'\]"
+    with pytest.raises(ConfigError, match=wanted):
         build_dataset(DataConfig(source="json", path=str(tmp_path / "a.jsonl")), seq_len=16, seed=0)
 
 
@@ -225,7 +226,8 @@ def test_unreadable_parts_of_files_are_counted_and_passed_over(tmp_path, capsys)
                 f"(of data.path={t}/*.txt; data.strict=true refuses them)") in said, said
         assert f"data: passed over 1 empty files: {t}/c.txt (of data.path={t}/*.txt;" in said
         assert f"data: passed over 2 lines that are not a JSON object: {j}/a.jsonl: 2 (the first at line 2)" in said
-        assert f"data: passed over 1 rows without a text in data.text_field: {j}/a.jsonl: 1 (the first at row 2)" in said
+        assert (f"data: passed over 1 rows without a text in data.text_field: {j}/a.jsonl: 1 "
+                "(the first at row 2)") in said
         assert f"data: passed over 1 empty files: {j}/b.jsonl" in said
     assert texts.tokens.size == 200 + len("caf\ufffd and \ufffd more. ".encode()) * 10 + 2  # and an EOS each
     assert rows.tokens.size == 2 * (40 + 1)
@@ -234,7 +236,8 @@ def test_unreadable_parts_of_files_are_counted_and_passed_over(tmp_path, capsys)
         with pytest.raises(ConfigError, match=f"data.strict=true: .*{message}"):
             build_dataset(DataConfig(source="json" if path.suffix == ".jsonl" else "text", path=str(path), strict=True,
                                      cache_dir=str(tmp_path / "fresh")), seq_len=16, seed=0)
-    with pytest.raises(ConfigError, match="data.strict=true: .*a.jsonl at line 2: not a JSON object"):  # cached leniently
+    # cached leniently
+    with pytest.raises(ConfigError, match="data.strict=true: .*a.jsonl at line 2: not a JSON object"):
         build_dataset(DataConfig(source="json", path=str(j / "*.jsonl"), strict=True), seq_len=16, seed=0)
 
 

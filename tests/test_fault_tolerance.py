@@ -57,7 +57,8 @@ def _wait_for(condition, what: str, processes: list[subprocess.Popen], timeout: 
     deadline = time.monotonic() + timeout
     while not condition():
         for p in processes:
-            assert p.poll() is None or p.returncode == 0, f"a process exited with {p.returncode} while waiting for {what}"
+            assert p.poll() is None or p.returncode == 0, \
+                f"a process exited with {p.returncode} while waiting for {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
 

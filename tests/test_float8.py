@@ -82,7 +82,8 @@ def test_float8_layout_matches_single_process(layout, float8_reference, tmp_path
     ranks, overrides, reference_overrides = FLOAT8_LAYOUTS[layout]
     records = train_metrics(ranks, *emulated(overrides), *COMMON, *FLOAT8, *CHUNKED, output_dir=tmp_path)
     rtol, grad_norm_rtol = ((HSDP_RTOL, HSDP_GRAD_NORM_RTOL) if "hsdp" in layout else
-                            (LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL) if "cp2" in layout else (FLOAT8_RTOL, FLOAT8_GRAD_NORM_RTOL))
+                            (LOOSE_RTOL, LOOSE_GRAD_NORM_RTOL) if "cp2" in layout else
+                            (FLOAT8_RTOL, FLOAT8_GRAD_NORM_RTOL))
     check_against(float8_reference(reference_overrides), records, f"float8 {layout}", rtol, grad_norm_rtol)
 
 
@@ -154,7 +155,9 @@ def test_what_float8_leaves_in_high_precision_is_said():
 
     from trainer.models.head import LMHead
 
-    block = lambda: nn.ModuleDict({"up": nn.Linear(32, 64), "odd": nn.Linear(32, 24), "router": nn.Linear(32, 16)})
+    def block():
+        return nn.ModuleDict({"up": nn.Linear(32, 64), "odd": nn.Linear(32, 24), "router": nn.Linear(32, 16)})
+
     model = nn.ModuleDict({"layers": nn.ModuleDict({"0": block(), "1": block()}), "output": LMHead(32, 100)})
     names = [name for name, _ in model.named_parameters()]
     f8 = Float8Config(enabled=True)

@@ -4,8 +4,6 @@ neither in its body nor in a fixture it sets up, whatever the fixture's scope.""
 import shutil
 from pathlib import Path
 
-import pytest
-
 pytest_plugins = ["pytester"]
 
 CASES = '''

@@ -32,7 +32,8 @@ def test_non_finite_steps_are_skipped_and_counted():
     assert run(g, [(2.0, 1.0), (nan, 1.0), (2.0, inf), (2.0, 1.0), (2.0, nan), (1.9, 1.0)]) == [2, 3, 5]
     fields, said = g.report()
     assert fields == {"skipped_steps": 3}
-    assert said == "3 optimizer step(s) skipped, the last at step 5: loss 2, gradient norm nan (3 in all: 3 non-finite, 0 loss spikes)"
+    assert said == ("3 optimizer step(s) skipped, the last at step 5: loss 2, gradient norm nan "
+                    "(3 in all: 3 non-finite, 0 loss spikes)")
     assert g.report() == ({"skipped_steps": 3}, "")  # said once
     run(g, [(nan, nan)] * 3, first=7)  # three in a row reach training.max_skipped_steps
     with pytest.raises(TrainingStopped, match=r"3 steps in a row skipped \(training.max_skipped_steps=3\), the last "

@@ -219,7 +219,8 @@ def _load_by_slices(rank, world, path, expected_file):
     peaks = [None] * world
     torch.distributed.all_gather_object(peaks, peak_mib)
     model_mib = expected["bytes"] / 2**20
-    print(f"rank {rank}: peak RSS {peak_mib:.0f} MiB; all ranks {[round(p) for p in peaks]} MiB; model {model_mib:.0f} MiB")
+    print(f"rank {rank}: peak RSS {peak_mib:.0f} MiB; all ranks {[round(p) for p in peaks]} MiB; "
+          f"model {model_mib:.0f} MiB")
     assert max(peaks) < 0.75 * model_mib, f"peak RSS per rank {peaks} MiB, the model is {model_mib:.0f} MiB"
 
 

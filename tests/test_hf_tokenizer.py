@@ -6,7 +6,6 @@ import json
 import sys
 
 import pytest
-import torch
 from helpers import REPO
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,7 +96,8 @@ def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tm
     for key in ("dim=64", "n_layers=2", "n_heads=4", "n_kv_heads=2", "vocab_size=300", "ffn_dim=96"):
         assert f"model.{key} (this model:" in message, message
     overrides = message.split("to train it, add ")[1].split()
-    matched = OmegaConf.merge(OmegaConf.structured(ours), OmegaConf.from_dotlist([o[len("model."):] for o in overrides]))
+    model_overrides = OmegaConf.from_dotlist([o[len("model."):] for o in overrides])
+    matched = OmegaConf.merge(OmegaConf.structured(ours), model_overrides)
     check_model(OmegaConf.to_object(matched), theirs, "checkpoint.initial=hf")
 
     (tmp_path / "configs" / "model").mkdir(parents=True)

@@ -31,7 +31,8 @@ def test_cpu_peak_is_the_setting_or_measured():
 def test_console_line_is_readable():
     line = format_record({"step": 3, "loss": 2.5, "grad_norm": 1.25, "lr": 3e-4, "tokens_per_s": 12345.6,
                           "mfu": 0.123, "mem_gib": 0.5, "elapsed_s": 4.2})
-    assert line == "step     3 | loss 2.5000 | grad_norm 1.250 | lr 3.00e-04 | 12,346 tok/s | mfu 12.3% | mem 0.50 GiB | 4.2s"
+    assert line == ("step     3 | loss 2.5000 | grad_norm 1.250 | lr 3.00e-04 | 12,346 tok/s | mfu 12.3% | "
+                    "mem 0.50 GiB | 4.2s")
 
 
 def test_cuda_peaks_go_by_the_exact_device_name():

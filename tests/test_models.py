@@ -49,7 +49,8 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     """GQA with 2 kv heads is multi-head attention whose k/v weights repeat each head."""
     gqa = build_model(TINY)
     mha = build_model({**TINY, "n_kv_heads": 4})
-    mha.load_state_dict({k: v for k, v in gqa.state_dict().items() if not k.endswith(("wk.weight", "wv.weight"))}, strict=False)
+    shared = {k: v for k, v in gqa.state_dict().items() if not k.endswith(("wk.weight", "wv.weight"))}
+    mha.load_state_dict(shared, strict=False)
     head_dim = 16
     with torch.no_grad():
         for name in ("wk", "wv"):

@@ -25,7 +25,8 @@ def test_an_unwritable_output_dir_is_a_config_error(tmp_path):
 @pytest.mark.multiprocess
 def test_a_second_job_on_the_same_folder_stops_at_once(tmp_path):
     first = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "launch.py"), "1", *RUN, "training.steps=100000", f"output_dir={tmp_path}"],
+        [sys.executable, str(REPO / "tests" / "launch.py"), "1", *RUN, "training.steps=100000",
+         f"output_dir={tmp_path}"],
         cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         lock = tmp_path / ".lock"

@@ -2,8 +2,8 @@
 
 One seed, one global batch, ten steps of llama_debug in fp32. The 1-rank run (its loss on whole
 logits) is the reference;
-each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient norms must match
-too (2e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
+each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient
+norms must match too (2e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
 Rows ending in `_compile` run compiled blocks against the same eager reference; the bf16 column and
 Mixtral have references and tolerances of their own (below).
 """

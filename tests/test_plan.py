@@ -58,7 +58,8 @@ def test_every_recipe_fits_its_stated_hardware(recipe, capsys):
     peak = f"{max(rank['peak_gib'] for rank in plan['ranks']):.1f}"
     speed = f"{plan['tokens_per_s']:,.0f}, {100 * plan['mfu']:.1f}%"
     comment = re.search(r"([\d.]+) GiB", (RECIPE_DIR / f"{recipe}.yaml").read_text())
-    assert comment and comment.group(1) == peak, f"recipes/{recipe}.yaml says {comment and comment.group(1)} GiB, the plan {peak}"
+    stated = comment and comment.group(1)
+    assert stated == peak, f"recipes/{recipe}.yaml says {stated} GiB, the plan {peak}"
     row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(f"| `{recipe}` |"))
     cells = [cell.strip() for cell in row.split("|")]
     assert cells[4:6] == [peak, speed], f"README's {recipe} row says {cells[4:6]}, the plan {[peak, speed]}"
@@ -87,8 +88,8 @@ def test_plan_terms_follow_the_layout(capsys):
 def test_the_plan_knows_float8(capsys):
     """On an H100 float8 tensorwise is faster (the blocks' linear layers at the float8 rate, torchtitan's
     measured gain: 1.12-1.18x) and gathers the blocks' weights in one byte; rowwise gathers them in
-    bf16 and casts (slower here, as torchtitan's is); an A100 has no float8 matmuls (emulated there, no faster); a Mixtral block's
-    experts stay bf16."""
+    bf16 and casts (slower here, as torchtitan's is); an A100 has no float8 matmuls (emulated there, no
+    faster); a Mixtral block's experts stay bf16."""
     def plan(*args):
         _, out, _ = run_plan(capsys, "model=llama3_8b", "--world", "8", "--json", "--device", *args)
         return json.loads(out)
@@ -238,7 +239,8 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
     plan = make_plan(job, check_job(job, ranks), device, expert_load=load)
     measured, predicted = records[-1]["mem_tensor_gib"], plan.ranks[0].peak / GIB
     print(f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f} ({predicted / measured - 1:+.1%})")
-    assert abs(predicted / measured - 1) <= MEMORY_RTOL, f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f}"
+    assert abs(predicted / measured - 1) <= MEMORY_RTOL, \
+        f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f}"
     if timed:
         speed = statistics.median(r["tokens_per_s"] for r in records[COUNTED:])
         if abs(plan.tokens_per_s / speed - 1) > SPEED_RTOL:
@@ -247,7 +249,8 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
             speed = max(speed, statistics.median(r["tokens_per_s"] for r in rerun[COUNTED:]))
             device = max(device, measure_cpu(ranks, threads=1), key=lambda d: d.fp32_tflops)
             plan = make_plan(job, check_job(job, ranks), device, expert_load=load)
-        print(f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f} ({plan.tokens_per_s / speed - 1:+.1%})")
+        print(f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f} "
+              f"({plan.tokens_per_s / speed - 1:+.1%})")
         assert abs(plan.tokens_per_s / speed - 1) <= SPEED_RTOL, \
             f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f}"
 

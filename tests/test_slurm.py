@@ -124,7 +124,8 @@ def node_processes(job: str, node: int) -> list[int]:
     found = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            env = dict(item.split("=", 1) for item in environ.read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            items = environ.read_bytes().decode(errors="replace").split("\0")
+            env = dict(item.split("=", 1) for item in items if "=" in item)
         except OSError:
             continue
         if env.get("SLURM_JOB_ID") == job and env.get("SLURM_NODEID") == str(node) and "SLURM_STEP_ID" in env:

@@ -8,8 +8,8 @@ import pytest
 from helpers import ENV, REPO, read_metrics, torchrun
 from omegaconf import OmegaConf
 
-FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib", "elapsed_s",
-          "time", "world_size", "restart"}
+FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib",
+          "elapsed_s", "time", "world_size", "restart"}
 SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
 
 
@@ -108,7 +108,8 @@ def test_precision_and_compile_rules_are_config_errors(monkeypatch):
         ({"param_dtype": "float8"}, r"training.mixed_precision.param_dtype=float8 must be one of"),
         ({"param_dtype": "float16"}, r"param_dtype=float16 needs loss scaling"),
         ({"reduce_dtype": "float16"}, r"reduce_dtype=float16 overflows"),
-        ({"reduce_dtype": "bfloat16"}, r"reduce_dtype=bfloat16 is narrower than the float32 parameters \(param_dtype=auto"),
+        ({"reduce_dtype": "bfloat16"},
+         r"reduce_dtype=bfloat16 is narrower than the float32 parameters \(param_dtype=auto"),
     ]:
         with pytest.raises(ConfigError, match=message):
             check(**dtypes)

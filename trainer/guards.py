@@ -21,7 +21,7 @@ class StepGuard:
         self.max_skipped = training.max_skipped_steps
         self.spike = training.spike
         zero = torch.zeros((), device=device)
-        self.skipped, self.in_a_row, self.nonfinite, self.spikes = zero.clone(), zero.clone(), zero.clone(), zero.clone()
+        self.skipped, self.in_a_row, self.nonfinite, self.spikes = (zero.clone() for _ in range(4))
         # The first non-finite step (-1: none yet) with its loss and norm; the last skipped one, likewise.
         self.first_bad = torch.full((3,), -1.0, device=device)
         self.last_skipped = torch.full((3,), -1.0, device=device)

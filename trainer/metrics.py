@@ -174,5 +174,6 @@ def format_record(r: dict) -> str:
     if "val_loss" in r:
         parts.insert(2, f"val_loss {r['val_loss']:.4f}")
     if "aux_loss" in r:
-        parts.insert(-3, f"aux {r['aux_loss']:.3f} | experts {r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f} tok")
+        experts = f"{r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f}"
+        parts.insert(-3, f"aux {r['aux_loss']:.3f} | experts {experts} tok")
     return " | ".join(parts)

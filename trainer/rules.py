@@ -52,8 +52,8 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     group = group_view(job)  # under fault tolerance, one replica group is the job's world
     dims = resolve_layout(group.parallel, job.model, group.training, world)
     if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
-        raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true: "
-                          f"each tp rank routes its own slice of the sequence")
+        raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs "
+                          "parallel.sequence_parallel=true: each tp rank routes its own slice of the sequence")
     check_training(job.training, dims)
     check_precision_and_compile(job.training, job.device)
     if job.training.float8.enabled and not job.training.float8.skip_unaligned:

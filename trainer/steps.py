@@ -55,7 +55,8 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
 
 def describe_layout(dims: ParallelDims) -> str:
     """The mesh's degrees, in order: `mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1`."""
-    return "mesh " + ", ".join(f"{name}={getattr(dims, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    return "mesh " + ", ".join(f"{name}={getattr(dims, name)}" for name in names)
 
 
 def describe_share(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:

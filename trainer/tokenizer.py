@@ -48,7 +48,8 @@ class HFTokenizer:
 
         file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         if not file.is_file():
-            raise ConfigError(f"data.tokenizer={path} is neither 'bytes' nor a tokenizer.json or a directory holding one")
+            raise ConfigError(f"data.tokenizer={path} is neither 'bytes' nor a tokenizer.json or a directory "
+                              "holding one")
         try:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # the tokenizers library raises its own exception class for every failure

@@ -11,10 +11,11 @@ global index, within documents).
 
 Each case gets the fastest exact kernel its device has (`KERNELS`):
 
-| device | attention          | attention + mask          | block            | block + mask         |
-|--------|--------------------|---------------------------|------------------|----------------------|
-| cpu    | SDPA (CPU flash)   | CPU flash + mask          | CPU flash        | CPU flash + mask     |
-| cuda   | SDPA (flash/cuDNN) | FlexAttention, block-sparse | flash (bf16/fp16), else memory-efficient | memory-efficient + mask |
+| device | attention          | attention + mask            | block                  | block + mask      |
+|--------|--------------------|-----------------------------|------------------------|-------------------|
+| cpu    | SDPA (CPU flash)   | CPU flash + mask            | CPU flash              | CPU flash + mask  |
+| cuda   | SDPA (flash/cuDNN) | FlexAttention, block-sparse | flash (bf16/fp16),     | memory-efficient  |
+|        |                    |                             | else memory-efficient  | + mask            |
 
 "math" (float32 scores, here) is the reference and the kernel of any other device. CPU has no
 FlexAttention backward (torch 2.13), so a CPU mask goes to the flash kernel as an additive mask,

@@ -157,7 +157,8 @@ class MoE(nn.Module):
         # Slots: (token, choice) pairs, grouped by expert.
         slots = chosen.flatten()
         order = slots.argsort(stable=True)
-        routed = torch.zeros(n_experts, dtype=torch.long, device=x.device).scatter_add_(0, slots, torch.ones_like(slots))
+        routed = torch.zeros(n_experts, dtype=torch.long, device=x.device)
+        routed.scatter_add_(0, slots, torch.ones_like(slots))
         slot_weights = weights.flatten()[order]
         if self.capacity_factor is None:
             token, counts, ran = order // self.top_k, routed, routed

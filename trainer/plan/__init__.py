@@ -23,7 +23,7 @@ from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
 from trainer.plan.layout import holdings
-from trainer.plan.memory import FP32, RankMemory, Shapes, gathered_bytes_per_element, rank_memory
+from trainer.plan.memory import FP32, TERMS, RankMemory, Shapes, gathered_bytes_per_element, rank_memory
 from trainer.plan.time import StepTime, step_time
 from trainer.tensors import DTYPES
 
@@ -75,8 +75,7 @@ class Plan:
             "mfu": self.mfu,
             "time": asdict(self.time),
             "ranks": [
-                {"pp_rank": r.pp_rank, **{f"{k}_gib": getattr(r, k) / GIB for k in
-                                          ("params", "grads", "optimizer", "gathered", "activations", "buffers", "peak")}}
+                {"pp_rank": r.pp_rank, **{f"{k}_gib": getattr(r, k) / GIB for k in (*TERMS, "peak")}}
                 for r in self.ranks
             ],
         }
@@ -134,9 +133,10 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     per_microbatch = t.global_batch_size // (dims.dp * dims.grad_accum_steps * dims.pp_microbatches)
     shapes = Shapes(
         tokens=per_microbatch * t.seq_len // dims.cp, dim=m.dim, ffn_dim=m.ffn_dim,
-        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=model_head_dim(m), vocab=m.vocab_size, tp=dims.tp, cp=dims.cp,
-        sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts, expert_load=expert_load,
+        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=model_head_dim(m), vocab=m.vocab_size, tp=dims.tp,
+        cp=dims.cp, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
+        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts,
+        expert_load=expert_load,
         loss_chunk=t.loss_chunk_tokens,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None

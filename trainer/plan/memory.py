@@ -32,9 +32,13 @@ class RankMemory:
     peak: float  # the larger of the two moments
 
     def largest(self) -> tuple[str, float]:
-        terms = {k: getattr(self, k) for k in ("params", "grads", "optimizer", "gathered", "activations", "buffers")}
+        terms = {k: getattr(self, k) for k in TERMS}
         name = max(terms, key=terms.get)
         return name, terms[name]
+
+
+# A rank's memory terms, in the order a plan reports them (its peak after them).
+TERMS = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
 
 
 def gathered_bytes_per_element(param_bytes: int, float8_share: float, float8: str | None) -> float:
@@ -101,7 +105,8 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
     optimizer = 2 * sharded * FP32
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     edges = ("embedding", "head", "root")
-    in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0 for u in units}
+    in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0
+                 for u in units}
     per_element = {u.name: gathered_bytes_per_element(param_bytes, in_float8[u.name], float8) for u in units}
     if schedule is not None:
         # Under pipeline parallel a stage keeps its parameters gathered from forward to backward.

@@ -45,7 +45,8 @@ def spans_nodes(inner: int, size: int, per_node: int) -> bool:
 
 
 def link_gbps(device: Device, inner: int, size: int) -> float:
-    return (device.inter_gbps if spans_nodes(inner, size, device.per_node) else device.intra_gbps) * device.link_efficiency
+    gbps = device.inter_gbps if spans_nodes(inner, size, device.per_node) else device.intra_gbps
+    return gbps * device.link_efficiency
 
 
 def ring_seconds(nbytes: float, ranks: int, gbps: float) -> float:
