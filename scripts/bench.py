@@ -65,7 +65,7 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     from trainer.allocator import reuse_freed_memory
     from trainer.config_files import CONFIG_DIR, register_configs
     from trainer.hardware import measure_cpu_tflops
-    from trainer.memory import peak_memory_gib
+    from trainer.measured_memory import peak_memory_gib
     from trainer.metrics import flops_per_token
 
     torch.set_num_threads(threads)

@@ -6,14 +6,18 @@ Every launch has a deadline: a hung collective fails the test instead of hanging
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,9 +59,71 @@ def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300
 
 def launch(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
            env: dict | None = None) -> subprocess.CompletedProcess:
-    """Like torchrun(), with the ranks forked from one process (tests/launch.py): seconds less per run."""
+    """Like torchrun(), with the ranks forked from one process (tests/launch.py), itself forked from
+    the suite's warm launcher (tests/launch_server.py) unless `env` sets what is read at start-up."""
     cmd = [sys.executable, str(REPO / "tests" / "launch.py"), str(nproc), *overrides, f"output_dir={output_dir}"]
+    if set(env or {}) <= WARM_ENV:
+        return WarmLauncher.get().run(cmd, nproc, [*overrides, f"output_dir={output_dir}"], env, timeout)
     return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+# The settings a warm launcher's runs may change: read after start-up (not torch's thread counts).
+WARM_ENV = {"TRAINER_FAULTS"}
+
+
+class WarmLauncher:
+    """tests/launch_server.py, started on the suite's first run and stopped at its end."""
+
+    running: WarmLauncher | None = None
+
+    @classmethod
+    def get(cls) -> WarmLauncher:
+        if cls.running is None or cls.running.server.poll() is not None:
+            cls.running = cls()
+        return cls.running
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="warm-launcher-"))
+        self.socket = self.folder / "socket"
+        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "launch_server.py"), str(self.socket)],
+                                       cwd=REPO, env=ENV, stdin=subprocess.DEVNULL, start_new_session=True,
+                                       stdout=open(self.folder / "server.log", "w"), stderr=subprocess.STDOUT)
+        atexit.register(self.close)
+        deadline = time.monotonic() + 120
+        while not self.socket.exists():
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the warm launcher did not start: {(self.folder / 'server.log').read_text()}")
+            time.sleep(0.05)
+
+    def run(self, cmd: list[str], nproc: int, overrides: list[str], env: dict | None,
+            timeout: float) -> subprocess.CompletedProcess:
+        out, err = self.folder / "stdout", self.folder / "stderr"
+        request = {"nproc": nproc, "overrides": overrides, "env": {**ENV, **(env or {})}, "cwd": str(REPO),
+                   "stdout": str(out), "stderr": str(err)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(str(self.socket))
+            conn.sendall((json.dumps(request) + "\n").encode())
+            answers = conn.makefile("r")
+            pid, code = int(answers.readline()), None
+            try:
+                code = int(answers.readline())
+            except (TimeoutError, ValueError):
+                pass
+            finally:
+                if code is None:  # timed out, or the test was interrupted: the run and its ranks go
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+        if code is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"),
+                                            err.read_text(errors="replace"))
+        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.server.pid, signal.SIGKILL)
+        self.server.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def train_metrics(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,

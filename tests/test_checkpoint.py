@@ -25,12 +25,12 @@ from helpers import (
     train_metrics,
     wait_for,
 )
+from reference import cross_entropy
 
 from trainer import build_model, load_weights
 from trainer.checkpoint import CheckpointError, SafeReader, files, verify
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset
-from trainer.steps import cross_entropy
 
 STEPS = 10
 COMMON = (

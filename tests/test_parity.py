@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from helpers import train_metrics
+from reference import cross_entropy
 
 from trainer import build_model, load_weights
 from trainer.checkpoint.state import saved_config
@@ -22,7 +23,6 @@ from trainer.data import BatchLoader, build_dataset, sentence
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from trainer.steps import cross_entropy
 
 STEPS = 10
 RTOL = 1e-4

@@ -4,6 +4,7 @@ each rank holds."""
 import pytest
 import torch
 from helpers import spawn
+from reference import cross_entropy
 from torch.distributed.tensor import DTensor
 
 from trainer import build_model
@@ -11,7 +12,6 @@ from trainer.models import count_params, family, init_weights, materialize
 from trainer.models.head import IGNORE_INDEX, set_loss_chunk
 from trainer.parallel import ParallelOptions, parallelize
 from trainer.parallel.dims import ParallelDims
-from trainer.steps import cross_entropy
 
 
 def _tp2_fsdp2(rank, world_size, loss_parallel):

@@ -130,15 +130,40 @@ def group_output_dir(job: JobConfig) -> str:
     return os.path.join(job.output_dir, f"replica_group_{job.fault_tolerance.replica_group}")
 
 
-class ReplicaGroups:
+class OneGroup:
+    """The job as one replica group (fault tolerance off): every step trains the whole batch here,
+    and commits."""
+
+    recovered_at = None
+
+    def set_step(self, step: int) -> None:
+        pass
+
+    def start_step(self) -> list[int] | None:
+        return None
+
+    def reduce(self, parameters, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def saves_checkpoints(self) -> bool:
+        return True
+
+    def commit(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class ReplicaGroups(OneGroup):
     """This rank's side of torchft's manager: the quorum at the start of each step, the gradient
     all-reduce across groups, and the commit before the optimizer steps."""
 
     def __init__(self, job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state,
-                 device: torch.device, log):
+                 device: torch.device, log, mark=lambda phase: None):
         ft, tf = job.fault_tolerance, torchft()
         self.groups, self.group, self.keep = job.parallel.dp_replicate, ft.replica_group, ft.keep_global_batch
-        self.model, self.optimizer, self.log = model, optimizer, log
+        self.model, self.optimizer, self.log, self.mark = model, optimizer, log, mark  # mark: the watchdog's phase
         # (get, set) of what else a recovering group needs: the step and the data's stream position.
         self.trainer_state = trainer_state
         timeout = timedelta(seconds=ft.timeout_s)
@@ -164,6 +189,7 @@ class ReplicaGroups:
         """The quorum for the next step (recovering from a peer first if this group is behind);
         returns the replica shares of the global batch this group trains in it."""
         self.recovered_at, self.recovered = None, False
+        self.mark("quorum")
         started = time.perf_counter()
         self.manager.start_quorum()  # a group behind the others receives their state in it (_load)
         if self.recovered:

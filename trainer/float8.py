@@ -9,7 +9,7 @@ parameter names, so checkpoints move between float8 and bf16 runs), except
 The MoE experts' grouped GEMMs stay in the compute dtype.
 
 With the tensorwise recipe, FSDP all-gathers the weights in float8 (half of bf16's bytes) with their
-scales computed once a step after the optimizer (`precompute_scales`), and tensor parallel casts its
+scales computed once a step after the optimizer (`Float8Scales`), and tensor parallel casts its
 inputs to float8 before it gathers them (torchao's float8 styles). Both move the same bits as casting
 after a high-precision gather would, so they change the communication, not the numbers.
 """
@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from trainer.config import Float8Config
 from trainer.errors import ConfigError
 from trainer.models.head import LMHead
+from trainer.parts import StepPart
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's named recipes
 INSTALL = 'pip install -e ".[float8]"'
@@ -200,10 +201,15 @@ def plain(t: torch.Tensor) -> torch.Tensor:
                               stride=t.stride())
 
 
-def precompute_scales(parts: list[nn.Module]) -> None:
-    """The scales of the float8 weights FSDP gathers this step, in one all-reduce (else each unit
-    reduces its own at every gather). Run before each step, so loaded weights are never stale."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # (imported quietly at build)
+class Float8Scales(StepPart):
+    """The scales of the float8 weights FSDP gathers in a step, in one all-reduce before its forward
+    (else each unit reduces its own at every gather), so loaded weights are never stale."""
 
-    for part in parts:
-        precompute_float8_dynamic_scale_for_fsdp(part)
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def before_forward(self, step: int) -> None:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # (imported quietly at build)
+
+        for part in self.parts:
+            precompute_float8_dynamic_scale_for_fsdp(part)

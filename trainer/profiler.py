@@ -13,22 +13,24 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from trainer.parts import StepPart
 
-class StepProfiler:
+
+class StepProfiler(StepPart):
     def __init__(self, step: int | None, output_dir: str, rank: int, device: torch.device):
         self.step, self.rank = step, rank
         self.folder = Path(output_dir) / "profile"
         self.cuda = device.type == "cuda"
         self.running: profile | None = None
 
-    def begin(self, step: int) -> None:
+    def start_step(self, step: int) -> None:
         """Called as `step` starts."""
         if step == self.step:
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
             self.running = profile(activities=activities, record_shapes=True)
             self.running.start()
 
-    def end(self, step: int) -> None:
+    def after_step(self, step: int) -> None:
         """Called once `step`'s optimizer update is done: writes what was recorded."""
         if self.running is None:  # begun at this step, or not at all
             return

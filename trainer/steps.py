@@ -8,7 +8,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import JobConfig
@@ -53,19 +52,6 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
     return step, eval_fn
 
 
-def describe_layout(dims: ParallelDims) -> str:
-    """The mesh's degrees, in order: `mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1`."""
-    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    return "mesh " + ", ".join(f"{name}={getattr(dims, name)}" for name in names)
-
-
-def describe_share(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
-    """How much of its model (its stages, under pipeline parallel) rank 0 holds."""
-    scope = "rank 0's stages" if dims.pp_enabled else "the model"
-    return (f"{scope}: {total / 1e6:.2f}M parameters, rank 0 holds {held / 1e6:.2f}M "
-            f"({held_mib:.1f} MiB, 1/{total / held:.2f})")
-
-
 def train_step(model, microbatches: list, *, device: torch.device, mark) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns their mean loss."""
     total = torch.zeros((), device=device)
@@ -97,11 +83,6 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, first: 
     if not last:
         return torch.zeros((), device=device)
     return torch.stack([loss.detach() for loss in losses]).sum()
-
-
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy of whole logits: the reference the chunked loss (LMHead) is held to."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def job_loss(loss: torch.Tensor, dims: ParallelDims) -> float:

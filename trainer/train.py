@@ -19,13 +19,13 @@ from trainer.data import build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError, TrainingStopped
 from trainer.fault_tolerance import check_lighthouse, group_output_dir, group_view
-from trainer.loop import Trainer
 from trainer.models import import_modules
 from trainer.output import OutputLock, check_writable
 from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
 from trainer.plan.devices import local_device
 from trainer.rules import check_config
+from trainer.setup import build_trainer
 from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
@@ -71,8 +71,8 @@ def run(cfg: DictConfig) -> None:
         init_distributed(device, job.distributed.timeout_s)
         lock = OutputLock(job.output_dir, dist.get_rank())
         watchdog = Watchdog(job.distributed.step_timeout_s, job.distributed.timeout_s, job.output_dir)
-        Trainer(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset,
-                predicted, watchdog).fit()
+        build_trainer(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset,
+                      predicted, watchdog).fit()
     except TrainingStopped as e:
         # Every rank reaches the same decision from the same all-reduced values; one line each.
         sys.stderr.write(f"training stopped: {e}\n")
@@ -80,7 +80,7 @@ def run(cfg: DictConfig) -> None:
         raise SystemExit(1) from None
     finally:
         if watchdog is not None:
-            watchdog.close()
+            watchdog.shutdown()
         if lock is not None:
             lock.release()
         shutdown()

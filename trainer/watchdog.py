@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainer.parts import StepPart
+
 EXIT_STATUS = 3  # a rank the watchdog stopped; different from a Python error's 1
 # Every rank of a hung job fires within a short time of the others; each waits this long after
 # writing its report before exiting, so that the launcher, which stops the other ranks once one
@@ -85,8 +87,8 @@ def thread_stacks() -> str:
     return "".join(out)
 
 
-class Watchdog:
-    """Watches this rank's steps. `step(n)` opens step n with `step_timeout_s` to finish (the
+class Watchdog(StepPart):
+    """Watches this rank's steps, as a step part. `start_step(n)` opens step n with `step_timeout_s` to finish (the
     first one gets `timeout_s`: compilation and warm-up), `phase(name)` says what it is doing,
     `slow(name)` starts a phase allowed `timeout_s` (a checkpoint save, a validation)."""
 
@@ -102,7 +104,7 @@ class Watchdog:
         if step_timeout_s is not None:
             threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
-    def step(self, n: int) -> None:
+    def start_step(self, n: int) -> None:
         if self.step_timeout_s is None:
             return
         self.current, self.name, self.started = n, "data", time.monotonic()
@@ -119,11 +121,18 @@ class Watchdog:
     def phase(self, name: str) -> None:
         self.name = name
 
+    def before_forward(self, step: int) -> None:
+        self.phase("forward")
+
+    def after_backward(self, step: int) -> None:
+        self.phase("optimizer")
+
     def slow(self, name: str) -> None:
         self.name, self.started = name, time.monotonic()
         self.limit = ("distributed.timeout_s", self.timeout_s)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """Stops watching (the job's last act: the loop's parts close before it)."""
         self.stopped.set()
 
     def _watch(self) -> None:

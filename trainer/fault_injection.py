@@ -9,9 +9,9 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
                       the checkpoint not yet published
 
 Each fault fires once per job: a file under output_dir/faults records it, so that a job restarted
-by its launcher, or a step run again after a rollback, runs clean. The loop calls the hooks
-`before_forward`, `after_backward`, `corrupt` (the data's) and the checkpointer's `kill_save`; unset
-(the normal case), nothing is injected and each hook costs a dictionary lookup.
+by its launcher, or a step run again after a rollback, runs clean. `FaultInjection` is a step part
+(`before_forward`, `after_backward`) that also gives the data its `corrupt` and the checkpointer its
+`kill_save`; unset (the normal case), the loop holds no such part and nothing is injected.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from pathlib import Path
 import torch
 
 from trainer.errors import ConfigError
+from trainer.parts import StepPart
 from trainer.tensors import local_tensor
 
 KINDS = {"nan_grad", "garbage_batch", "hang", "kill", "kill_save"}
 
 
-class Faults:
-    def __init__(self, spec: str, rank: int, output_dir: str):
-        self.rank, self.fired = rank, Path(output_dir, "faults")
+class FaultInjection(StepPart):
+    def __init__(self, spec: str, rank: int, output_dir: str, parameters=()):
+        self.rank, self.fired, self.parameters = rank, Path(output_dir, "faults"), parameters
         self.steps: dict[str, set[int]] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, where = item.partition("@")
@@ -43,8 +44,10 @@ class Faults:
                 self.steps.setdefault(kind, set()).add(int(step))
 
     @classmethod
-    def from_env(cls, rank: int, output_dir: str) -> Faults:
-        return cls(os.environ.get("TRAINER_FAULTS", ""), rank, output_dir)
+    def from_env(cls, rank: int, output_dir: str, parameters) -> FaultInjection | None:
+        """The faults TRAINER_FAULTS asks of this rank; None when it is unset."""
+        spec = os.environ.get("TRAINER_FAULTS", "")
+        return cls(spec, rank, output_dir, parameters) if spec else None
 
     def at(self, kind: str, step: int) -> bool:
         """Whether to inject `kind` at `step`: the first time this job gets there."""
@@ -70,10 +73,10 @@ class Faults:
     def before_forward(self, step: int) -> None:
         self.hang_or_kill("hang", step)
 
-    def after_backward(self, step: int, parameters) -> None:
+    def after_backward(self, step: int) -> None:
         self.hang_or_kill("kill", step)
         if self.at("nan_grad", step):
-            self.poison(parameters)
+            self.poison(self.parameters)
 
     def corrupt(self, step: int, batches: list, vocab_size: int) -> list:
         """The step's batches, scrambled if `garbage_batch` is due."""

@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from trainer.parts import StepPart
+
 GIB = 2**30
 # Steps the CPU's count runs for: the second holds all a step ever holds (the optimizer's state
 # exists from the first update on), and the steps after it run at full speed, uncounted.
@@ -117,3 +119,36 @@ def peak_tensor_gib(device: torch.device, tracker: TensorMemory | None) -> float
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GIB
     return None if tracker is None else tracker.peak / GIB
+
+
+class MemoryFigures(StepPart):
+    """The record's memory figures. On the CPU, live tensors are counted from here (the model's
+    `parameters` first, then all the steps make) through the first COUNTED_STEPS steps after
+    `first_step`; blocks run eagerly while counted, so a compiled run forgets dynamo's skipped
+    frames then (`on_compiled_again`: the watchdog lets the next step compile)."""
+
+    def __init__(self, device: torch.device, parameters, first_step: int, compiled: bool, on_compiled_again):
+        self.device = device
+        self.tracker = TensorMemory() if device.type == "cpu" else None
+        if self.tracker is not None:
+            self.tracker.add(parameters)
+            self.tracker.start()
+        self.counted_until = first_step + COUNTED_STEPS
+        self.compiled, self.on_compiled_again = compiled, on_compiled_again
+
+    def after_step(self, step: int) -> None:
+        if self.tracker is None or step != self.counted_until:
+            return
+        self.tracker.stop()
+        if self.compiled:
+            # Dynamo skips a frame under a dispatch mode and remembers the skip: forgotten here, the
+            # next step compiles the blocks.
+            torch.compiler.reset()
+            self.on_compiled_again()
+
+    def record(self) -> dict:
+        return {"mem_gib": peak_memory_gib(self.device), "mem_tensor_gib": peak_tensor_gib(self.device, self.tracker)}
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.stop()

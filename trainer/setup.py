@@ -1,0 +1,142 @@
+"""Everything one rank's training loop runs with, built once: the model on the mesh, the optimizer,
+the data, the checkpoints (resumed from), the logs, and the parts that act around each step."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+
+from trainer.build import build_model_parts, build_options
+from trainer.checkpoint import Checkpointer, TrainState, restore
+from trainer.config import CheckpointConfig, JobConfig
+from trainer.data.microbatches import StepData
+from trainer.describe import describe_layout, describe_share
+from trainer.fault_injection import FaultInjection
+from trainer.fault_tolerance import OneGroup, ReplicaGroups
+from trainer.float8 import Float8Scales, float8_of, gathers_in_float8
+from trainer.float8 import describe as describe_float8
+from trainer.guards import StepGuard
+from trainer.loop import Trainer
+from trainer.measured_memory import MemoryFigures
+from trainer.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
+from trainer.models import family
+from trainer.moe_upkeep import MoEUpkeep
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallel.dims import ParallelDims
+from trainer.parts import StepParts
+from trainer.profiler import StepProfiler
+from trainer.steps import make_step_fns
+from trainer.stop import StopRequest
+from trainer.tensors import local_tensor
+from trainer.watchdog import Watchdog
+
+
+def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: CheckpointConfig,
+                  device: torch.device, dataset, val_dataset, predicted: float | None, watchdog: Watchdog) -> Trainer:
+    t = job.training
+    dims.build_mesh(device.type)
+    watchdog.groups = dims.group_names()
+    rank = dist.get_rank()
+    output_dir = Path(job.output_dir)
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    log = partial(print, flush=True) if rank == 0 else lambda *_: None
+
+    model_parts, stages = build_model_parts(build_options(job, dims, device), dims, device)
+    model = nn.ModuleList(model_parts)
+    param_mib = describe_model(model, dims, log)
+    if predicted is not None:
+        log(f"plan: predicted peak {predicted / 2**30:.2f} GiB of tensors on rank 0")
+    f8 = float8_of(t)
+    if f8 is not None:
+        log(describe_float8(model_parts, f8))
+    step_fn, eval_fn = make_step_fns(job, dims, device, model_parts, stages, watchdog.phase)
+    optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
+    state = TrainState(model_parts, optimizer)
+    faults = FaultInjection.from_env(rank, job.output_dir, model.parameters())
+    data = build_data(job, dims, dataset, val_dataset, faults)
+    checkpoint_dir = output_dir / "checkpoints"
+    # A replica group takes its state at its first quorum: from a peer group when one is past step 0,
+    # else (the whole job starts) from the newest checkpoint of any group.
+    deferred = checkpoint if job.fault_tolerance.enabled else None
+    step = 0 if deferred is not None else resume(job, dims, checkpoint, state, data, checkpoint_dir, log)
+    if rank == 0 and step < t.steps:  # a finished run's config stays as it trained
+        OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
+
+    checkpointer = None
+    if checkpoint.enabled:
+        checkpointer = Checkpointer(checkpoint_dir, checkpoint.interval, checkpoint.keep_last, checkpoint.async_save,
+                                    config["model"], device, job.data.tokenizer)
+        if faults is not None:
+            checkpointer.before_publish = partial(faults.hang_or_kill, "kill_save")
+    peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None  # only rank 0 logs mfu
+    trainer = Trainer(
+        job=job, dims=dims, device=device, log=log, model=model, model_parts=model_parts, step_fn=step_fn,
+        eval_fn=eval_fn, optimizer=optimizer, state=state, data=data, step=step,
+        scheduler=build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio, step),
+        replicas=OneGroup(), checkpointer=checkpointer, checkpoint_dir=checkpoint_dir,
+        logger=MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config, None if deferred else step),
+        throughput=Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
+                              dims.world_size, step),
+        guard=StepGuard(t, device), stop=StopRequest(), watchdog=watchdog, param_mib=param_mib,
+        predicted=predicted, deferred_resume=deferred,
+    )
+    if job.fault_tolerance.enabled:
+        trainer.replicas = ReplicaGroups(job, model, optimizer, (trainer.progress, trainer.set_progress), device, log,
+                                         watchdog.phase)
+        trainer.replicas.set_step(step)
+    trainer.parts = StepParts(step_parts(job, dims, device, model, model_parts, watchdog, faults, step))
+    return trainer
+
+
+def step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module, model_parts: list,
+               watchdog: Watchdog, faults: FaultInjection | None, step: int) -> list:
+    """The features acting around the step, in the order their hooks run: the watchdog first (a
+    fault then hangs inside the phase it names), the profiler around everything else."""
+    parts = [watchdog, StepProfiler(job.metrics.profile_step, job.output_dir, dist.get_rank(), device)]
+    if faults is not None:
+        parts.append(faults)
+    if gathers_in_float8(float8_of(job.training)):
+        parts.append(Float8Scales(model_parts))
+    if job.model.n_experts:
+        parts.append(MoEUpkeep(model_parts, family(job.model.family), dims, job.model.n_layers, job.model.n_experts,
+                               device))
+    parts.append(MemoryFigures(device, model.parameters(), step, job.training.compile, watchdog.allow_slow_step))
+    return parts
+
+
+def build_data(job: JobConfig, dims: ParallelDims, dataset, val_dataset, faults: FaultInjection | None) -> StepData:
+    ft = job.fault_tolerance
+    eos_id = dataset.eos_id if job.data.document_mask else None
+    corrupt = partial(faults.corrupt, vocab_size=dataset.vocab_size) if faults is not None else None
+    return StepData(dataset, val_dataset, job.training, dims, dims.view("dp").get_local_rank(),
+                    dims.view("cp").get_local_rank(), eos_id, corrupt,
+                    job.parallel.dp_replicate if ft.enabled else 1, ft.replica_group if ft.enabled else 0)
+
+
+def resume(job: JobConfig, dims: ParallelDims, checkpoint: CheckpointConfig, state: TrainState, data: StepData,
+           folders: Path | list[Path], log) -> int:
+    """Loads what checkpoint.* asks for (resume=auto: the newest in `folders`); returns the step to go
+    on from, with the data's position set to it (collective)."""
+    t = job.training
+    start_step, position, saved_world = restore(checkpoint, state, folders, job.model, log)
+    if saved_world is not None and saved_world != dims.world_size:
+        log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
+            f"grad_accum_steps={dims.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
+    data.loader.offset = position - start_step * t.global_batch_size
+    return start_step
+
+
+def describe_model(model: nn.Module, dims: ParallelDims, log) -> float:
+    """Prints the layout and rank 0's share of the model; returns the MiB of parameters this rank holds."""
+    held = [local_tensor(p) for p in model.parameters()]
+    param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
+    total = sum(p.numel() for p in model.parameters())
+    log(f"{describe_layout(dims)} | grad_accum_steps={dims.grad_accum_steps} | "
+        f"{describe_share(dims, total, sum(p.numel() for p in held), param_mib)}")
+    return param_mib
