@@ -54,7 +54,7 @@ def first_to_say(line: str) -> bool:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from trainer.train import run
+    from trainer.job import run
 
     try:
         run(cfg)

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from trainer.checkpoint.files import MODEL_CONFIG, newest_step  # noqa: E402
+from trainer.checkpoint.folders import MODEL_CONFIG, newest_step  # noqa: E402
 from trainer.checkpoint.hf import read_hf  # noqa: E402
 from trainer.checkpoint.hf_export import export_hf  # noqa: E402
-from trainer.checkpoint.state import check_model, save_weights, saved_config  # noqa: E402
+from trainer.checkpoint.state import check_same_shape, save_weights, saved_config  # noqa: E402
 from trainer.checkpoint.tokenizer_files import (  # noqa: E402
     export_tokenizer,
     held_tokenizer,
@@ -46,7 +46,7 @@ def from_hf(hf_dir: Path, out: Path, model: str | None, write_config: str | None
     cfg, weights = read_hf(hf_dir)
     if model is not None:
         named = model_config(model)
-        check_model(named, cfg, f"{hf_dir}")
+        check_same_shape(named, cfg, f"{hf_dir}")
         cfg.name = named.name
     cfg.name = write_config or cfg.name
     if write_config is not None:

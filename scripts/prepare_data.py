@@ -26,7 +26,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.data.cache import TokenWriter  # noqa: E402
-from trainer.data.files import Problems, documents  # noqa: E402
+from trainer.data.readers import Problems, documents  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.tokenizer import CHUNK_CHARS, build_tokenizer, encode_pieces, pieces  # noqa: E402
 

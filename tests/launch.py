@@ -42,7 +42,7 @@ def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
 
 def main(nproc: int, overrides: list[str]) -> int:
     sys.path.insert(0, str(REPO))
-    import trainer.train  # noqa: F401  (the import the ranks share)
+    import trainer.job  # noqa: F401  (the import the ranks share)
     from trainer.distributed import _free_port
 
     port = _free_port()

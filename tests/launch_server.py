@@ -26,7 +26,7 @@ def serve(path: str) -> None:
     sys.path.insert(0, str(REPO))
     from launch import main as launch_main
 
-    import trainer.train  # noqa: F401  (the import every run shares)
+    import trainer.job  # noqa: F401  (the import every run shares)
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)

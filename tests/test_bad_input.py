@@ -12,7 +12,7 @@ import pytest
 from helpers import NEEDS_TORCHAO, NEEDS_TORCHFT
 
 from trainer.checkpoint.hf import config_from_hf
-from trainer.data.files import documents
+from trainer.data.readers import documents
 from trainer.errors import ConfigError
 from trainer.tokenizer import build_tokenizer
 

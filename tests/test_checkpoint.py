@@ -28,7 +28,7 @@ from helpers import (
 from reference import cross_entropy
 
 from trainer import build_model, load_weights
-from trainer.checkpoint import CheckpointError, SafeReader, files, verify
+from trainer.checkpoint import CheckpointError, SafeReader, folders, verify
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset
 
@@ -141,9 +141,9 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
 
 def _resume_with_a_stale_listing(rank, world, folder):
     if rank == 1:  # this rank's filesystem has not seen the newest checkpoint yet
-        stale = files.checkpoint_steps(folder)[:-1]
-        files.checkpoint_steps = lambda _: stale
-    chosen = files.find_resume(folder, rank, world, print)
+        stale = folders.checkpoint_steps(folder)[:-1]
+        folders.checkpoint_steps = lambda _: stale
+    chosen = folders.find_resume(folder, rank, world, print)
     assert chosen == folder / "step_4", f"rank {rank} chose {chosen}"
 
 
@@ -152,7 +152,7 @@ def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
     for step in (2, 4):
         (tmp_path / f"step_{step}.tmp").mkdir()
         (tmp_path / f"step_{step}.tmp" / "shard.distcp").write_bytes(bytes(range(step)))
-        files.publish(tmp_path / f"step_{step}.tmp", tmp_path / f"step_{step}", step, 0, 1)
+        folders.publish(tmp_path / f"step_{step}.tmp", tmp_path / f"step_{step}", step, 0, 1)
     spawn(_resume_with_a_stale_listing, 2, tmp_path, timeout=60)
 
 

@@ -15,8 +15,8 @@ from helpers import REPO
 import trainer.data.cache as cache
 from trainer.config import DataConfig
 from trainer.data import build_dataset
-from trainer.data.files import TokenFile
 from trainer.data.order import Shuffled, permute, round_keys
+from trainer.data.readers import TokenFile
 from trainer.errors import ConfigError
 
 

@@ -81,9 +81,9 @@ def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tm
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer import config_files
-    from trainer.checkpoint.files import CheckpointError
+    from trainer.checkpoint.folders import CheckpointError
     from trainer.checkpoint.hf import config_from_hf
-    from trainer.checkpoint.state import check_model
+    from trainer.checkpoint.state import check_same_shape
     from trainer.models import model_config
 
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -91,19 +91,19 @@ def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tm
         tmp_path / "hf")
     theirs, ours = config_from_hf(tmp_path / "hf"), model_config("llama_debug")
     with pytest.raises(CheckpointError) as e:
-        check_model(ours, theirs, "checkpoint.initial=hf")
+        check_same_shape(ours, theirs, "checkpoint.initial=hf")
     message = str(e.value)
     for key in ("dim=64", "n_layers=2", "n_heads=4", "n_kv_heads=2", "vocab_size=300", "ffn_dim=96"):
         assert f"model.{key} (this model:" in message, message
     overrides = message.split("to train it, add ")[1].split()
     model_overrides = OmegaConf.from_dotlist([o[len("model."):] for o in overrides])
     matched = OmegaConf.merge(OmegaConf.structured(ours), model_overrides)
-    check_model(OmegaConf.to_object(matched), theirs, "checkpoint.initial=hf")
+    check_same_shape(OmegaConf.to_object(matched), theirs, "checkpoint.initial=hf")
 
     (tmp_path / "configs" / "model").mkdir(parents=True)
     monkeypatch.setattr(config_files, "CONFIG_DIR", tmp_path / "configs")
     convert_hf.from_hf(tmp_path / "hf", tmp_path / "ours", None, write_config="my_llama")
     assert "train it with model=my_llama" in capsys.readouterr().out
-    check_model(model_config("my_llama"), theirs, "checkpoint.initial=hf")
+    check_same_shape(model_config("my_llama"), theirs, "checkpoint.initial=hf")
     with pytest.raises(ConfigError, match=r"--write-config=my_llama: .* exists"):
         convert_hf.from_hf(tmp_path / "hf", tmp_path / "ours2", None, write_config="my_llama")

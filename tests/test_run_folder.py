@@ -10,7 +10,7 @@ from helpers import REPO
 from omegaconf import OmegaConf
 
 from trainer import build_model
-from trainer.checkpoint.files import CheckpointError, newest_step
+from trainer.checkpoint.folders import CheckpointError, newest_step
 from trainer.checkpoint.rerun import check_rerun
 from trainer.checkpoint.state import save_weights
 from trainer.config import CheckpointConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.files import MANIFEST
+from trainer.checkpoint.folders import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.errors import ConfigError

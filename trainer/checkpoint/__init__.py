@@ -1,7 +1,7 @@
-"""Checkpoints: DCP save/resume in any layout (state.py), the on-disk format (files.py), saving
+"""Checkpoints: DCP save/resume in any layout (state.py), the on-disk format (folders.py), saving
 during training and restoring at start (saver.py), and Hugging Face interop (hf.py)."""
 
-from trainer.checkpoint.files import CheckpointError, SafeReader, verify
+from trainer.checkpoint.folders import CheckpointError, SafeReader, verify
 from trainer.checkpoint.saver import Checkpointer, restore, roll_back
 from trainer.checkpoint.state import TrainState, load_weights, save_weights
 

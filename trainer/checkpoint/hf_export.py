@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint.files import CheckpointError, SafeReader, verify
+from trainer.checkpoint.folders import CheckpointError, SafeReader, verify
 from trainer.checkpoint.hf import hf_tensors, write_hf_config
 from trainer.checkpoint.safetensors_io import encode_header
 from trainer.checkpoint.state import quiet_single_process

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint.files import MANIFEST, checkpoint_steps
+from trainer.checkpoint.folders import MANIFEST, checkpoint_steps
 from trainer.checkpoint.state import SHAPE
 from trainer.config import CheckpointConfig
 from trainer.errors import ConfigError

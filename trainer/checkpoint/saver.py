@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from trainer.checkpoint.files import (
+from trainer.checkpoint.folders import (
     MODEL_CONFIG,
     CheckpointError,
     SaveFailed,
@@ -27,7 +27,7 @@ from trainer.checkpoint.files import (
     rank_world,
     verify,
 )
-from trainer.checkpoint.state import TrainState, check_model, load_weights, saved_config
+from trainer.checkpoint.state import TrainState, check_same_shape, load_weights, saved_config
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
 from trainer.config import ModelConfig
 from trainer.distributed import gloo_group, max_restarts, restart_count
@@ -49,7 +49,7 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
     elif cfg.resume == "auto" and cfg.enabled:
         path = find_resume(folder, rank, world, log)
     if path is not None:
-        check_model(model_cfg, saved_config(path), f"checkpoint.resume={path}")
+        check_same_shape(model_cfg, saved_config(path), f"checkpoint.resume={path}")
         started = time.perf_counter()
         step, position, saved_world = state.load(path)
         restarts = restart_count()

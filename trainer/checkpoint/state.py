@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.checkpoint.files import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
+from trainer.checkpoint.folders import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
 from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
@@ -147,13 +147,13 @@ def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str 
     parts = list(model) if isinstance(model, (list, tuple)) else [model]
     path = Path(path)
     if is_hf_dir(path):
-        check_model(parts[0].config, config_from_hf(path), f"{key}={path}")
+        check_same_shape(parts[0].config, config_from_hf(path), f"{key}={path}")
         load_hf_slices(parts, path)
         return
     problem = verify(path, *rank_world())
     if problem is not None:
         raise CheckpointError(f"{key}={path} is neither a Hugging Face directory nor a usable checkpoint: {problem}")
-    check_model(parts[0].config, saved_config(path), f"{key}={path}")
+    check_same_shape(parts[0].config, saved_config(path), f"{key}={path}")
     TrainState(parts).load_weights(path)
 
 
@@ -184,7 +184,7 @@ SHAPE = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "voca
          "rope_theta", "n_experts", "top_k", "n_shared_experts", "tie_embeddings")
 
 
-def check_model(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None:
+def check_same_shape(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None:
     """A checkpoint loads only into the same architecture: every difference is named at once, with the
     overrides that would make this model match it."""
     if saved is None:

@@ -15,11 +15,11 @@ from torch.utils.data import Dataset
 
 from trainer.data.cache import cached_tokens, check_tokenizer
 from trainer.data.embedded import EmbeddedText, sentence
-from trainer.data.files import documents, read_token_file
 from trainer.data.hub import STREAM_VAL_WINDOWS, HubStream
 from trainer.data.loader import BatchLoader, Prefetcher, document_positions
 from trainer.data.mixture import Mixture
 from trainer.data.packed import VAL_FRACTION, PackedTokens
+from trainer.data.readers import documents, read_token_file
 from trainer.errors import ConfigError
 from trainer.tokenizer import ByteTokenizer, build_tokenizer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.files import Problems, TokenFile, documents, read_token_file, text_paths
+from trainer.data.readers import Problems, TokenFile, documents, read_token_file, text_paths
 from trainer.errors import ConfigError
 from trainer.tokenizer import build_tokenizer, encode_documents
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.files import Problems, row_texts
+from trainer.data.readers import Problems, row_texts
 from trainer.errors import ConfigError
 from trainer.tokenizer import build_tokenizer, encode_documents
 

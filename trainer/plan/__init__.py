@@ -144,19 +144,30 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     # Full checkpointing applies to every Nth block: the share of blocks it recomputes.
     share = -(-m.n_layers // t.activation_checkpoint_every) / m.n_layers if t.activation_checkpoint == "full" else 0.0
     n_stages = dims.pp * dims.pp_stages_per_rank
-    ranks = []
     stages_by_rank = holdings(job, dims)
-    for pp_rank, stages in enumerate(stages_by_rank):
-        ranks.append(rank_memory(
-            pp_rank, stages, family(m.family), shapes, activation_checkpoint=t.activation_checkpoint,
-            checkpointed_share=share,
-            schedule=schedule, pp=dims.pp,
-            n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
-            param_bytes=act_bytes,
-            has_loss=any(s.stage == n_stages - 1 for s in stages), selective_policy=t.selective_policy,
-            float8=f8, float8_share=float8_share(m),
-        ))
+    ranks = [rank_memory(
+        pp_rank, stages, family(m.family), shapes, activation_checkpoint=t.activation_checkpoint,
+        checkpointed_share=share, schedule=schedule, pp=dims.pp,
+        n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
+        param_bytes=act_bytes, has_loss=any(s.stage == n_stages - 1 for s in stages),
+        selective_policy=t.selective_policy, float8=f8, float8_share=float8_share(m),
+    ) for pp_rank, stages in enumerate(stages_by_rank)]
+    # The busiest pipeline rank sets the pace.
+    busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
+    timing = plan_step_time(job, dims, device, dtype, shapes, share, busiest)
+    flops = flops_per_token(m, t.seq_len)
+    return Plan(dims.world_size, device, dims, ranks, timing, t.global_batch_size * t.seq_len, flops,
+                device.peak_tflops(dtype))
 
+
+def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: torch.dtype, shapes: Shapes,
+                   share: float, busiest: list) -> StepTime:
+    """The step time of the pipeline rank holding `busiest` (its stages); `share`: the blocks full
+    checkpointing recomputes."""
+    m, t = job.model, job.training
+    schedule = job.parallel.pp_schedule if dims.pp_enabled else None
+    f8 = t.float8.recipe if t.float8.enabled else None
+    act_bytes = shapes.act_bytes
     flops = flops_per_token(m, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     # Full checkpointing runs a block's forward again (4/3 of the work: forward 1, backward 2); a
@@ -169,8 +180,6 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         # Every second matmul of a block runs again: about half of the blocks' matmul forward.
         extra += 0.5 * blocks_matmul / flops
     flops_per_rank = flops * tokens_per_step / dims.world_size * (3 + extra) / 3
-    # The busiest pipeline rank sets the pace.
-    busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
     units = [u for s in busiest for u in s.units]
     head = model_head_dim(m)
     stream = shapes.tokens * m.dim * act_bytes
@@ -181,7 +190,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         in_float8 = float8_share(m) * blocks_matmul / flops
         compute_tflops = 1 / ((1 - in_float8) / peak_tflops + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
     gathered_per_element = gathered_bytes_per_element(act_bytes, float8_share(m), f8)
-    timing = step_time(
+    return step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,
         grad_bytes=sum(u.gathered for u in units) * FP32,
@@ -195,4 +204,3 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         # Under pipeline parallel a step's accumulation steps are microbatches of one schedule run.
         n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, moe=m.n_experts > 0,
     )
-    return Plan(dims.world_size, device, dims, ranks, timing, tokens_per_step, flops, peak_tflops)

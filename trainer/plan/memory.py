@@ -93,6 +93,27 @@ def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank
     return min(total, (per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
 
 
+def saved_activations(spec: ModelSpec, s: Shapes, activation_checkpoint: str, checkpointed_share: float,
+                      selective_policy: str, schedule: str | None, blocks_in_flight: float) -> float:
+    """The bytes the blocks keep for backward at its start: `blocks_in_flight` blocks' forwards
+    (the stage's layers times its microbatches in flight), under the checkpointing mode."""
+    per_layer = spec.activation_bytes(s)
+    if activation_checkpoint == "none":
+        return blocks_in_flight * per_layer
+    if schedule in ZERO_BUBBLE:  # (full; selective is refused with these schedules)
+        # Measured (torch 2.13): a zero-bubble schedule's split backward recomputes a checkpointed
+        # stage for the input gradients and again for the deferred weight gradients, holding both:
+        # about twice the activations of the same schedule without checkpointing.
+        return (1 + checkpointed_share) * blocks_in_flight * per_layer
+    if activation_checkpoint == "selective":  # a block's recompute adds what it did not keep
+        kept = spec.selective_bytes(s, selective_policy)
+        share, recomputed = 1.0, per_layer - kept
+    else:
+        kept, share, recomputed = checkpointed_layer_bytes(s), checkpointed_share, per_layer
+    per_block = share * kept + (1 - share) * per_layer
+    return blocks_in_flight * per_block + recomputed  # one block recomputed at a time
+
+
 def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
                 param_bytes: int, has_loss: bool, selective_policy: str = "half_mm",
@@ -118,25 +139,11 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
         blocks = [u.gathered * per_element[u.name] for u in units if u.name not in edges]
         gathered = kept + sum(blocks[:2])
 
-    layers = sum(stage.layers for stage in stages)
     per_layer = spec.activation_bytes(s)
     in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
-    stage_layers = layers / len(stages)  # activations of one stage-microbatch
-    if activation_checkpoint == "none":
-        saved = in_flight * stage_layers * per_layer
-    elif schedule in ZERO_BUBBLE:  # (full; selective is refused with these schedules)
-        # Measured (torch 2.13): a zero-bubble schedule's split backward recomputes a checkpointed
-        # stage for the input gradients and again for the deferred weight gradients, holding both:
-        # about twice the activations of the same schedule without checkpointing.
-        saved = (1 + checkpointed_share) * in_flight * stage_layers * per_layer
-    else:
-        if activation_checkpoint == "selective":  # a block's recompute adds what it did not keep
-            kept = spec.selective_bytes(s, selective_policy)
-            share, recomputed = 1.0, per_layer - kept
-        else:
-            kept, share, recomputed = checkpointed_layer_bytes(s), checkpointed_share, per_layer
-        per_block = share * kept + (1 - share) * per_layer
-        saved = in_flight * stage_layers * per_block + recomputed  # one block recomputed at a time
+    stage_layers = sum(stage.layers for stage in stages) / len(stages)  # activations of one stage-microbatch
+    saved = saved_activations(spec, s, activation_checkpoint, checkpointed_share, selective_policy, schedule,
+                              in_flight * stage_layers)
     # gpipe runs every forward before any backward; the other schedules run the loss stage's backward
     # right after its forward.
     loss_in_flight = n_microbatches if schedule == "gpipe" else 1

@@ -1,5 +1,5 @@
 """The training job on each rank: the config checked (before any rank works), the process group joined,
-then the Trainer (trainer/loop.py) runs the step loop."""
+then trainer/setup.py builds the Trainer (trainer/loop.py), which runs the step loop."""
 
 from __future__ import annotations
 
