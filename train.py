@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from trainer.config_files import CONFIG_DIR, register_configs
 from trainer.errors import ConfigError
-from trainer.overrides import check_overrides, compose_job
+from trainer.overrides import check_overrides, compose_job, renamed
 
 register_configs()
 
@@ -68,6 +68,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:], notices = renamed(sys.argv[1:])
+    if notices and os.environ.get("LOCAL_RANK", "0") == "0":
+        print("\n".join(notices), flush=True)
     try:
         if any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's flags (--cfg job) print, they do not run
             check_overrides(sys.argv[1:])

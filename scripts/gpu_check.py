@@ -219,7 +219,7 @@ def check_checkpoint_resume(device, args) -> tuple[str, str]:
     load onto the device) and must log the first run's steps 3 and 4 exactly."""
     overrides = ["model=llama_debug", "+smoke=cpu", f"device={device.type}", "training.steps=4",
                  "training.seq_len=64", "training.global_batch_size=2", "training.mixed_precision.param_dtype=float32",
-                 "checkpoint.enabled=true", "checkpoint.async=true", "checkpoint.interval=2"]
+                 "checkpoint.enabled=true", "checkpoint.async_save=true", "checkpoint.interval=2"]
     with tempfile.TemporaryDirectory() as out:
         first = train(overrides, out)
         shutil.rmtree(Path(out) / "checkpoints" / "step_4")

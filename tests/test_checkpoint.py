@@ -66,7 +66,7 @@ def test_resume_repeats_the_uninterrupted_run(mode, reference, tmp_path):
     if mode == "sync":
         saved, records = reference
     else:  # saving overlapped with training changes nothing, and its checkpoints resume the same
-        records = run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5", "checkpoint.async=true",
+        records = run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5", "checkpoint.async_save=true",
                       output_dir=saved)
         assert largest_difference(records, reference[1], 1) == 0
     resumed = run(2, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={saved}/checkpoints/step_5",
@@ -252,7 +252,7 @@ def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("checkpoint.interval=0", "config error: checkpoint.interval=0 must be >= 1"),
     ("checkpoint.keep_last=-1", "config error: checkpoint.keep_last=-1 must be >= 0"),
-    ("checkpoint.async=maybe", "config error: checkpoint.async=maybe must be a bool"),
+    ("checkpoint.async_save=maybe", "config error: checkpoint.async_save=maybe must be true or false"),
     ("checkpoint.resume=/no/such/dir", "config error: checkpoint.resume=/no/such/dir is not a directory"),
     ("checkpoint.initial=/no/such/dir", "config error: checkpoint.initial=/no/such/dir is not a directory"),
 ])

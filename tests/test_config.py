@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.errors import ConfigError
-from trainer.overrides import check_overrides
+from trainer.overrides import check_overrides, compose_job, renamed
 
 register_configs()
 
@@ -79,10 +79,18 @@ def test_unknown_keys_are_refused_even_with_plus_and_near_ones_named():
         check_overrides(["modle.dim=8"])
     with pytest.raises(ConfigError, match=r"^zzz is not a config key; see `python train.py --cfg job`"):
         check_overrides(["+zzz=1"])
-    # Nested sections, the checkpoint mapping, a list of mappings, Hydra's own keys and flags pass.
-    check_overrides(["model.rope_scaling.factor=2", "metrics.wandb.enabled=true", "checkpoint.async=true",
+    # Nested sections, a list of mappings, Hydra's own keys and flags pass.
+    check_overrides(["model.rope_scaling.factor=2", "metrics.wandb.enabled=true", "checkpoint.async_save=true",
                      "training.spike.threshold=3", "data.mix=[]", "imports=[x]", "hydra.run.dir=.", "--cfg", "job",
                      "~model.rope_scaling"])
+
+
+def test_a_renamed_key_still_works_for_one_release_with_a_notice():
+    args, notices = renamed(["+recipe=llama_fsdp", "checkpoint.async=true", "checkpoint.enabled=true"])
+    assert args == ["+recipe=llama_fsdp", "checkpoint.async_save=true", "checkpoint.enabled=true"]
+    assert notices == ["config: checkpoint.async is now checkpoint.async_save; the old spelling goes in the next "
+                       "release"]
+    assert compose_job(["checkpoint.async=true"]).checkpoint.async_save is True
 
 
 @pytest.mark.multiprocess

@@ -63,7 +63,7 @@ FORMS = {
     "master_port": (("--master_addr=127.0.0.1", "--master_port={port}"), ()),
     "standalone": (("--standalone",), ("distributed.step_timeout_s=5",)),
     "c10d": (("--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=restarts"),
-             ("checkpoint.async=true",)),
+             ("checkpoint.async_save=true",)),
 }
 
 

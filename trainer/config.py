@@ -4,9 +4,7 @@ trainer/config_files.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
-
-from trainer.errors import ConfigError
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -238,34 +236,10 @@ class CheckpointConfig:
     interval: int = 500  # save every `interval` steps, and at the last step
     keep_last: int = 3  # 0 keeps every checkpoint
     resume: str = "auto"  # auto: the newest complete checkpoint in output_dir, if any | none | PATH
-    async_save: bool = False  # the key `async` (a Python keyword, so renamed here)
+    async_save: bool = False  # training waits only while the state is copied to host memory
     initial: Optional[str] = None  # weights to start from: a seed checkpoint, ours or a Hugging Face directory
     # Resume output_dir's checkpoints although model, data, optimizer or batch settings changed.
     allow_config_change: bool = False
-
-    @classmethod
-    def from_mapping(cls, node: dict) -> CheckpointConfig:
-        """Reads checkpoint.* from the composed config, checking each value's type."""
-        defaults = cls()
-        values = {}
-        for key, value in node.items():
-            name = "async_save" if key == "async" else key
-            expected = type(getattr(defaults, name))
-            if name in ("resume", "initial"):
-                ok = value is None or isinstance(value, str)
-            else:
-                ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-            if not ok:
-                raise ConfigError(f"checkpoint.{key}={value} must be a {expected.__name__}")
-            values[name] = value
-        return cls(**values)
-
-
-def checkpoint_keys() -> dict:
-    # `checkpoint.async` cannot be a dataclass field, so the schema holds checkpoint.* as a
-    # mapping; Hydra's struct mode still rejects a misspelt key.
-    defaults = vars(CheckpointConfig())
-    return {("async" if key == "async_save" else key): value for key, value in defaults.items()}
 
 
 @dataclass
@@ -309,6 +283,6 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    checkpoint: Dict[str, Any] = field(default_factory=checkpoint_keys)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # Python modules every rank imports first: model families defined outside trainer/ register there.
     imports: List[str] = field(default_factory=list)

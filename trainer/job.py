@@ -45,7 +45,8 @@ def run(cfg: DictConfig) -> None:
     job = dataclasses.replace(job, output_dir=group_output_dir(job))
     import_modules(job.imports)
     device = resolve_device(job.device)
-    dims, checkpoint = check_config(job, world_size())
+    dims = check_config(job, world_size())
+    checkpoint = job.checkpoint
     check_lighthouse(job)
     schedule_change = check_rerun(OmegaConf.to_container(cfg, resolve=True), checkpoint, job.output_dir)
     if schedule_change and int(os.environ.get("RANK", "0")) == 0:

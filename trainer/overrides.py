@@ -9,11 +9,26 @@ import dataclasses
 import difflib
 import typing
 
-from trainer.config import JobConfig, checkpoint_keys
+from trainer.config import JobConfig
 from trainer.config_files import BROKEN_RECIPES, CONFIG_DIR, RECIPE_DIR, register_configs, yaml_error
 from trainer.errors import ConfigError
 
 GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
+# Keys renamed, old spelling -> new: the old one still works for one release, with a notice.
+RENAMED = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def renamed(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`argv` with the old spellings of renamed keys replaced, and a notice for each."""
+    args, notices = [], []
+    for arg in argv:
+        sign = arg[:len(arg) - len(arg.lstrip("+~"))]
+        key, eq, value = arg[len(sign):].partition("=")
+        if key in RENAMED:
+            notices.append(f"config: {key} is now {RENAMED[key]}; the old spelling goes in the next release")
+            arg = f"{sign}{RENAMED[key]}{eq}{value}"
+        args.append(arg)
+    return args, notices
 
 
 def check_overrides(argv: list[str]) -> None:
@@ -40,6 +55,7 @@ def compose_job(overrides: list[str]) -> JobConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
+    overrides, _ = renamed(overrides)
     check_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -100,8 +116,7 @@ def _check_key(key: str, keys: set[str]) -> None:
 
 def schema_keys() -> set[str]:
     """Every dotted key of the job's schema, nested sections included."""
-    keys = {f"checkpoint.{name}" for name in checkpoint_keys()} | {"checkpoint"}
-    return keys | _fields(JobConfig, "")
+    return _fields(JobConfig, "")
 
 
 def _fields(cls, prefix: str) -> set[str]:
@@ -109,8 +124,6 @@ def _fields(cls, prefix: str) -> set[str]:
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         key = prefix + field.name
-        if key == "checkpoint":
-            continue
         keys.add(key)
         inner = _dataclass_of(hints[field.name])
         if inner is not None:

@@ -33,14 +33,14 @@ from trainer.ranges import check_ranges
 from trainer.tensors import DTYPES, param_dtype
 
 
-def check_config(job: JobConfig, world: int) -> tuple[ParallelDims, CheckpointConfig]:
+def check_config(job: JobConfig, world: int) -> ParallelDims:
     """Every rule on the config alone (no device, data or process group needed): what each rank checks
-    first, and trainer-run before it starts any. Returns the layout and the checkpoint settings."""
+    first, and trainer-run before it starts any. Returns the layout."""
     dims = check_job(job, world)
-    checkpoint = check_checkpoint(job.checkpoint)
-    if job.training.spike.action == "rollback" and not checkpoint.enabled:
+    check_checkpoint(job.checkpoint)
+    if job.training.spike.action == "rollback" and not job.checkpoint.enabled:
         raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a checkpoint to go back to)")
-    return dims, checkpoint
+    return dims
 
 
 def check_job(job: JobConfig, world: int) -> ParallelDims:
@@ -334,8 +334,7 @@ def _check_stage_modules(stages: list[list[str]], n_stages: int, model) -> None:
         )
 
 
-def check_checkpoint(node: dict) -> CheckpointConfig:
-    cfg = CheckpointConfig.from_mapping(node)
+def check_checkpoint(cfg: CheckpointConfig) -> None:
     if cfg.interval < 1:
         raise ConfigError(f"checkpoint.interval={cfg.interval} must be >= 1")
     if cfg.keep_last < 0:
@@ -349,4 +348,3 @@ def check_checkpoint(node: dict) -> CheckpointConfig:
         if not (is_hf_dir(initial) or (initial / MANIFEST).is_file()):
             raise ConfigError(f"checkpoint.initial={initial} is neither a Hugging Face model (config.json and "
                               f"*.safetensors) nor a checkpoint of this trainer ({MANIFEST})")
-    return cfg
