@@ -105,6 +105,7 @@ def test_print_config_without_running():
 
 
 def test_llama_3_1_rotary_scaling_composes_and_bad_values_are_config_errors():
+    from trainer.ranges import check_ranges
     from trainer.rules import check_model
 
     model = OmegaConf.to_object(composed("model=llama3_2_1b").model)
@@ -114,5 +115,7 @@ def test_llama_3_1_rotary_scaling_composes_and_bad_values_are_config_errors():
     for override, message in (("type=yarn", "model.rope_scaling.type=yarn is not supported"),
                               ("low_freq_factor=4.0", "low_freq_factor=4.0 must be > 0 and below high_freq_factor"),
                               ("factor=0.5", "model.rope_scaling.factor=0.5 must be >= 1")):
+        job = OmegaConf.to_object(composed("model=llama3_2_1b", f"model.rope_scaling.{override}"))
         with pytest.raises(ConfigError, match=message):
-            check_model(OmegaConf.to_object(composed("model=llama3_2_1b", f"model.rope_scaling.{override}").model))
+            check_ranges(job)
+            check_model(job.model)

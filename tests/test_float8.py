@@ -14,9 +14,10 @@ import pytest
 from helpers import NEEDS_TORCHAO, train_metrics
 from test_parity import CHUNKED, COMMON, check_against, max_relative_difference
 
-from trainer.config import Float8Config
+from trainer.config import Float8Config, JobConfig, TrainingConfig
 from trainer.errors import ConfigError
 from trainer.float8 import check_float8, check_float8_layers, convert, describe
+from trainer.ranges import check_ranges
 
 FLOAT8 = ("training.float8.enabled=true",)
 EMULATED = ("training.float8.emulate=true",)
@@ -125,8 +126,9 @@ def test_a_float8_checkpoint_resumes_in_its_layout_another_and_without_float8(tm
 def test_float8_config_errors(monkeypatch):
     import torch
 
+    fast = JobConfig(training=TrainingConfig(float8=Float8Config(enabled=True, recipe="fast")))
     with pytest.raises(ConfigError, match=r"^training.float8.recipe=fast must be one of \['tensorwise', 'rowwise'"):
-        check_float8(Float8Config(enabled=True, recipe="fast"), "cpu", compile=False)
+        check_ranges(fast)
     check_float8(Float8Config(enabled=True), "cpu", compile=False)  # the CPU runs float8 uncompiled
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA A100")

@@ -72,9 +72,6 @@ def check_fault_tolerance(job: JobConfig) -> None:
     if not 1 <= ft.min_replicas <= groups:
         raise ConfigError(f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and the "
                           f"parallel.dp_replicate={groups} groups")
-    for key in ("timeout_s", "quorum_timeout_s"):
-        if not getattr(ft, key) > 0:
-            raise ConfigError(f"fault_tolerance.{key}={getattr(ft, key)} must be > 0 seconds")
     if job.training.spike.threshold is not None and job.training.spike.action == "rollback":
         raise ConfigError("training.spike.action=rollback cannot be combined with fault_tolerance.enabled=true: the "
                           "replica groups hold different checkpoints and would roll back apart; use skip")

@@ -18,13 +18,11 @@ import torch
 
 from trainer.checkpoint.folders import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
-from trainer.config import CheckpointConfig, JobConfig
+from trainer.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from trainer.errors import ConfigError
 from trainer.fault_tolerance import check_fault_tolerance, group_view
 from trainer.float8 import check_float8, check_float8_layers
 from trainer.models import build_model, family
-from trainer.parallel.activation_checkpoint import MODES as AC_MODES
-from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
@@ -54,7 +52,6 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs "
                           "parallel.sequence_parallel=true: each tp rank routes its own slice of the sequence")
-    check_training(job.training, dims)
     check_precision_and_compile(job.training, job.device)
     if job.training.float8.enabled and not job.training.float8.skip_unaligned:
         check_float8_layers(build_model(job.model, device="meta"), job.training.float8)
@@ -64,9 +61,6 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         # schedules run it twice (input gradients, then the deferred weight gradients).
         raise ConfigError(f"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule="
                           f"{schedule}: its split backward recomputes each block twice; use full or none")
-    check_distributed(job.distributed)
-    if job.metrics.log_every < 1:
-        raise ConfigError(f"metrics.log_every={job.metrics.log_every} must be >= 1")
     profile_step = job.metrics.profile_step
     if profile_step is not None and not 1 <= profile_step <= job.training.steps:
         raise ConfigError(f"metrics.profile_step={profile_step} must be a step of the run, "
@@ -83,64 +77,22 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     return dims
 
 
-def check_model(m) -> None:
-    family(m.family).check(m)
-    if m.rope_scaling is not None:
-        _check_rope_scaling(m.rope_scaling)
+def check_model(model: ModelConfig) -> None:
+    """The family's own rules on its keys, and the rotary scaling's."""
+    family(model.family).check(model)
+    scaling = model.rope_scaling
+    if scaling is None:
+        return
+    if scaling.type != "llama3":
+        raise ConfigError(f"model.rope_scaling.type={scaling.type} is not supported; use llama3, or rope_scaling=null")
+    if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling: low_freq_factor={scaling.low_freq_factor} must be > 0 and below "
+                          f"high_freq_factor={scaling.high_freq_factor}")
 
 
-def _check_rope_scaling(r) -> None:
-    if r.type != "llama3":
-        raise ConfigError(f"model.rope_scaling.type={r.type} is not supported; use llama3, or rope_scaling=null")
-    if r.factor < 1:
-        raise ConfigError(f"model.rope_scaling.factor={r.factor} must be >= 1")
-    if not 0 < r.low_freq_factor < r.high_freq_factor:
-        raise ConfigError(f"model.rope_scaling: low_freq_factor={r.low_freq_factor} must be > 0 and below "
-                          f"high_freq_factor={r.high_freq_factor}")
-    if r.original_max_seq_len < 1:
-        raise ConfigError(f"model.rope_scaling.original_max_seq_len={r.original_max_seq_len} must be >= 1")
-
-
-def check_training(t, dims: ParallelDims) -> None:
-    if t.activation_checkpoint not in AC_MODES:
-        raise ConfigError(f"training.activation_checkpoint={t.activation_checkpoint} must be one of {list(AC_MODES)}")
-    if t.selective_policy not in SELECTIVE_POLICIES:
-        raise ConfigError(f"training.selective_policy={t.selective_policy} must be one of {list(SELECTIVE_POLICIES)}")
-    if t.activation_checkpoint_every < 1:
-        raise ConfigError(f"training.activation_checkpoint_every={t.activation_checkpoint_every} must be >= 1")
-    check_guards(t)
-    for key in ("param_dtype", "reduce_dtype"):
-        value = getattr(t.mixed_precision, key)
-        if value not in DTYPES and not (key == "param_dtype" and value == "auto"):
-            raise ConfigError(f"training.mixed_precision.{key}={value} must be one of {['auto', *DTYPES]}")
-
-
-def check_guards(t) -> None:
-    if t.on_nonfinite not in ("skip", "stop"):
-        raise ConfigError(f"training.on_nonfinite={t.on_nonfinite} must be skip or stop")
-    if t.max_skipped_steps < 0:
-        raise ConfigError(f"training.max_skipped_steps={t.max_skipped_steps} must be >= 0 (0: no limit)")
-    spike = t.spike
-    if spike.threshold is not None and not spike.threshold > 0:
-        raise ConfigError(f"training.spike.threshold={spike.threshold} must be null (off) or > 0 standard deviations")
-    if spike.action not in ("skip", "rollback"):
-        raise ConfigError(f"training.spike.action={spike.action} must be skip or rollback")
-    if not 0 < spike.decay < 1:
-        raise ConfigError(f"training.spike.decay={spike.decay} must be between 0 and 1")
-    if spike.warmup_steps < 1:
-        raise ConfigError(f"training.spike.warmup_steps={spike.warmup_steps} must be >= 1")
-
-
-def check_distributed(d) -> None:
-    if not d.timeout_s > 0:
-        raise ConfigError(f"distributed.timeout_s={d.timeout_s} must be > 0 seconds")
-    if d.step_timeout_s is not None and not d.step_timeout_s > 0:
-        raise ConfigError(f"distributed.step_timeout_s={d.step_timeout_s} must be null (no watchdog) or > 0 seconds")
-
-
-def check_precision_and_compile(t, device: str) -> None:
+def check_precision_and_compile(training: TrainingConfig, device: str) -> None:
     """The dtypes and compile against the device the job will run on (`auto`: CUDA if there is one)."""
-    mp = t.mixed_precision
+    mp = training.mixed_precision
     device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if mp.param_dtype == "float16":
         raise ConfigError("training.mixed_precision.param_dtype=float16 needs loss scaling, which this trainer does "
@@ -152,10 +104,10 @@ def check_precision_and_compile(t, device: str) -> None:
         raise ConfigError(f"training.mixed_precision.reduce_dtype=bfloat16 is narrower than the float32 parameters "
                           f"(param_dtype={mp.param_dtype} on {device}): gradients would lose precision in the sum; "
                           f"use float32")
-    if t.compile and (missing := compile_missing(device)):
+    if training.compile and (missing := compile_missing(device)):
         raise ConfigError(f"training.compile=true cannot compile on {device} here: {missing}; "
                           f"use training.compile=false")
-    check_float8(t.float8, device, t.compile)
+    check_float8(training.float8, device, training.compile)
 
 
 def compile_missing(device: str) -> str | None:
@@ -167,7 +119,8 @@ def compile_missing(device: str) -> str | None:
     return None if any(c and shutil.which(c) for c in compilers) else "no C++ compiler (g++, clang++) on PATH"
 
 
-def resolve_layout(parallel, model, training, world_size: int) -> ParallelDims:
+def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig,
+                   world_size: int) -> ParallelDims:
     """The layout of `parallel` on `world_size` ranks: `-1` degrees resolved, every degree rule
     checked, and the accumulation steps derived (`dims.grad_accum_steps`: from `training.micro_batch_size`
     when it is set, else `training.grad_accum_steps`)."""
@@ -228,7 +181,7 @@ def resolve_layout(parallel, model, training, world_size: int) -> ParallelDims:
     return dims
 
 
-def _check_model_rules(degrees: dict, parallel, model, training) -> None:
+def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig) -> None:
     tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(model, key) % tp:
@@ -249,8 +202,6 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
     if training.seq_len > model.max_seq_len:
         raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len} "
                           f"(set training.seq_len; +smoke=cpu sets 128 for a CPU run)")
-    if training.grad_accum_steps < 1:
-        raise ConfigError(f"training.grad_accum_steps={training.grad_accum_steps} must be >= 1")
     if tp > 1:
         if parallel.loss_parallel and model.vocab_size % tp:
             raise ConfigError(
@@ -268,20 +219,18 @@ def _check_model_rules(degrees: dict, parallel, model, training) -> None:
                               f"are split on different dimensions")
 
 
-def _grad_accum_steps(training, dp: int) -> int:
+def _grad_accum_steps(training: TrainingConfig, dp: int) -> int:
     """The accumulation steps that make up the global batch from micro_batch_size sequences per
     data-parallel rank: more of them when the world shrinks, fewer when it grows. They replace
     grad_accum_steps (a recipe's own included)."""
     micro = training.micro_batch_size
-    if micro < 1:
-        raise ConfigError(f"training.micro_batch_size={micro} must be >= 1 (or null: from grad_accum_steps)")
     if training.global_batch_size % (dp * micro):
         raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be divisible by "
                           f"dp*micro_batch_size={dp * micro} (dp={dp}, micro_batch_size={micro})")
     return training.global_batch_size // (dp * micro)
 
 
-def _resolve_ep(degrees: dict, model) -> None:
+def _resolve_ep(degrees: dict, model: ModelConfig) -> None:
     """ep is taken from the dp_shard x cp ranks; -1 means all of them (1 for a dense model)."""
     ep, ranks = degrees["ep"], degrees["dp_shard"] * degrees["cp"]
     if ep == -1:
@@ -295,7 +244,7 @@ def _resolve_ep(degrees: dict, model) -> None:
                           f"(dp_shard={degrees['dp_shard']}, cp={degrees['cp']})")
 
 
-def _check_pipeline_rules(pp: int, parallel, model) -> None:
+def _check_pipeline_rules(pp: int, parallel: ParallelConfig, model: ModelConfig) -> None:
     per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
     schedule = parallel.pp_schedule
     if schedule in SINGLE_STAGE and per_rank != 1:
@@ -313,13 +262,11 @@ def _check_pipeline_rules(pp: int, parallel, model) -> None:
     if model.tie_embeddings:
         raise ConfigError(f"parallel.pp={pp} needs model.tie_embeddings=false: the embedding and the output "
                           f"head sit on different stages")
-    if parallel.pp_microbatches is not None and parallel.pp_microbatches < 1:
-        raise ConfigError(f"parallel.pp_microbatches={parallel.pp_microbatches} must be >= 1")
     if parallel.pp_stage_modules is not None:
         _check_stage_modules(parallel.pp_stage_modules, n_stages, model)
 
 
-def _check_stage_modules(stages: list[list[str]], n_stages: int, model) -> None:
+def _check_stage_modules(stages: list[list[str]], n_stages: int, model: ModelConfig) -> None:
     """An explicit split must name every module once, in model order, with a layer on every stage."""
     spec = family(model.family)
     expected = spec.pipeline_units(model.n_layers)
@@ -335,10 +282,6 @@ def _check_stage_modules(stages: list[list[str]], n_stages: int, model) -> None:
 
 
 def check_checkpoint(cfg: CheckpointConfig) -> None:
-    if cfg.interval < 1:
-        raise ConfigError(f"checkpoint.interval={cfg.interval} must be >= 1")
-    if cfg.keep_last < 0:
-        raise ConfigError(f"checkpoint.keep_last={cfg.keep_last} must be >= 0 (0 keeps every checkpoint)")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():
         raise ConfigError(f"checkpoint.resume={cfg.resume} is not a directory; use auto, none or a checkpoint's path")
     if cfg.initial is not None:

@@ -14,9 +14,10 @@ from collections import Counter
 
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
+from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.plan import GIB, Plan, make_plan
 from trainer.plan.devices import Device
-from trainer.rules import AC_MODES, check_job
+from trainer.rules import check_job
 
 
 def _powers_of_two(limit: int) -> list[int]:
