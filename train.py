@@ -43,6 +43,7 @@ def first_to_say(line: str) -> bool:
         marker = Path(error_file).parent.parent / f"said-{digest}"
     else:
         marker = Path(tempfile.gettempdir()) / f"trainer-said-{os.getppid()}-{digest}"
+        forget_old_markers(marker.parent)
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
@@ -50,6 +51,18 @@ def first_to_say(line: str) -> bool:
     except OSError:  # no folder to share: every rank says it
         pass
     return True
+
+
+def forget_old_markers(folder: Path, age_s: float = 600) -> None:
+    """Removes the markers of launches long over (torchrun's own folder goes with its attempt; the
+    temporary folder's markers would stay)."""
+    now = time.time()
+    for old in folder.glob("trainer-said-*"):
+        try:
+            if now - old.stat().st_mtime > age_s:
+                old.unlink()
+        except OSError:  # another rank removed it first
+            pass
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")

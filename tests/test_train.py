@@ -147,3 +147,20 @@ def test_mixture_of_experts_rules_are_config_errors():
     ]:
         with pytest.raises(ConfigError, match=message):
             check_job(job_with(**settings), world=4)
+
+
+def test_markers_of_launches_long_over_are_forgotten(tmp_path):
+    """Outside torchrun the one-line errors' markers live in the temporary folder: old ones go."""
+    import os
+    import time
+
+    sys.path.insert(0, str(REPO))
+    from train import forget_old_markers
+
+    old, new, other = tmp_path / "trainer-said-1-aa", tmp_path / "trainer-said-2-bb", tmp_path / "other"
+    for path in (old, new, other):
+        path.touch()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    forget_old_markers(tmp_path)
+    assert not old.exists() and new.exists() and other.exists()
