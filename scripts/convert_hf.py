@@ -33,6 +33,7 @@ from trainer.checkpoint.state import check_same_shape, save_weights, saved_confi
 from trainer.checkpoint.tokenizer_files import (  # noqa: E402
     export_tokenizer,
     held_tokenizer,
+    resolve_tokenizer,
     special_ids,
     write_special_ids,
 )
@@ -115,8 +116,10 @@ def run_tokenizer(checkpoint: Path) -> str | None:
         return None
     from omegaconf import OmegaConf
 
-    spec = OmegaConf.load(config).get("data", {}).get("tokenizer")
-    return spec if spec == "bytes" or (spec and Path(spec).exists()) else None
+    saved = OmegaConf.load(config)
+    spec = resolve_tokenizer(saved.get("data", {}).get("tokenizer", "bytes"), saved.get("data", {}).get("source", ""),
+                             saved.get("checkpoint", {}).get("initial"))
+    return spec if spec == "bytes" or Path(spec).exists() else None
 
 
 def check_vocabulary(tokenizer: str, vocab_size: int) -> None:

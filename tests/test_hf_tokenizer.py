@@ -107,3 +107,44 @@ def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tm
     check_same_shape(model_config("my_llama"), theirs, "checkpoint.initial=hf")
     with pytest.raises(ConfigError, match=r"--write-config=my_llama: .* exists"):
         convert_hf.from_hf(tmp_path / "hf", tmp_path / "ours2", None, write_config="my_llama")
+
+
+def test_auto_takes_the_tokenizer_beside_the_initial_weights(tmp_path):
+    from trainer.checkpoint.tokenizer_files import resolve_tokenizer
+
+    held = bpe_tokenizer(tmp_path / "hf")
+    (tmp_path / "bare").mkdir()
+    assert resolve_tokenizer("auto", "text", str(held)) == str(held)
+    assert resolve_tokenizer("auto", "text", str(tmp_path / "bare")) == "bytes"
+    assert resolve_tokenizer("auto", "embedded", str(held)) == "bytes"  # the embedded text is bytes
+    assert resolve_tokenizer("auto", "text", None) == "bytes"
+    assert resolve_tokenizer("bytes", "text", str(held)) == "bytes"  # said: kept
+    assert build_tokenizer("auto").vocab_size == build_tokenizer("bytes").vocab_size
+
+
+@pytest.mark.multiprocess
+def test_a_run_from_hugging_face_weights_trains_with_their_tokenizer(tmp_path):
+    """checkpoint.initial from an export that holds its tokenizer, data.tokenizer not given: the run
+    tokenizes with it (said once), and its own checkpoint keeps it."""
+    from helpers import launch
+
+    spec = str(bpe_tokenizer(tmp_path / "tok"))
+    shape = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300,
+             "ffn_dim": 96}
+    model = build_model(shape, seed=0)
+    save_weights(model.config, dict(model.state_dict()), tmp_path / "ckpt", tokenizer=spec)
+    convert_hf.to_hf(tmp_path / "ckpt", tmp_path / "hf", None, "float32", "5GB")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(" ".join(TEXT * 30))
+    result = launch(1, "model=llama_debug", *(f"model.{k}={v}" for k, v in shape.items()), "+smoke=cpu",
+                    "training.steps=2", "training.seq_len=16", "data.source=text",
+                    f"data.path={tmp_path}/corpus/*.txt", f"checkpoint.initial={tmp_path / 'hf'}",
+                    "checkpoint.enabled=true", f"data.cache_dir={tmp_path / 'cache'}", output_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = f"data.tokenizer=auto takes the tokenizer beside checkpoint.initial: {tmp_path / 'hf'}"
+    assert result.stdout.count(said) == 1, result.stdout
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").data.tokenizer == str(tmp_path / "hf")  # reruns compare it
+    kept = tmp_path / "run" / "checkpoints" / "step_2" / "tokenizer.json"
+    assert kept.read_text() == (tmp_path / "tok" / "tokenizer.json").read_text()

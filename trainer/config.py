@@ -180,7 +180,9 @@ class MixSource:
 class DataConfig:
     source: str = "embedded"  # embedded | text | json | parquet | hub | binary
     path: Optional[str] = None  # a glob of files; a Hub dataset's name (hub); a token file (binary)
-    tokenizer: str = "bytes"  # bytes, or a tokenizer.json or a directory holding one
+    # auto: the tokenizer beside checkpoint.initial's weights, else bytes | bytes | a tokenizer.json or
+    # a directory holding one
+    tokenizer: str = "auto"
     text_field: str = "text"  # the column holding the text (json, parquet, hub)
     subset: Optional[str] = None  # a Hub dataset's configuration name
     split: str = "train"  # the Hub dataset's split to train on

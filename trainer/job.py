@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.allocator import reuse_freed_memory
 from trainer.checkpoint.rerun import check_rerun
+from trainer.checkpoint.tokenizer_files import resolve_tokenizer
 from trainer.config import JobConfig
 from trainer.data import build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
@@ -26,6 +27,7 @@ from trainer.plan import make_plan
 from trainer.plan.devices import local_device
 from trainer.rules import check_config
 from trainer.setup import build_trainer
+from trainer.tokenizer import is_bytes
 from trainer.watchdog import Watchdog, enable_flight_recorder
 
 
@@ -42,13 +44,20 @@ def build_datasets(job: JobConfig):
 def run(cfg: DictConfig) -> None:
     """Runs the job `cfg` (the composed Hydra config) on this rank."""
     job: JobConfig = OmegaConf.to_object(cfg)
-    job = dataclasses.replace(job, output_dir=group_output_dir(job))
+    tokenizer = resolve_tokenizer(job.data.tokenizer, job.data.source, job.checkpoint.initial)
+    if tokenizer != job.data.tokenizer and not is_bytes(tokenizer) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"data: data.tokenizer=auto takes the tokenizer beside checkpoint.initial: {tokenizer}", flush=True)
+    job = dataclasses.replace(job, output_dir=group_output_dir(job),
+                              data=dataclasses.replace(job.data, tokenizer=tokenizer))
+    # The config as it runs (saved as config.yaml, compared by reruns): the tokenizer it resolved to.
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["data"]["tokenizer"] = tokenizer
     import_modules(job.imports)
     device = resolve_device(job.device)
     dims = check_config(job, world_size())
     checkpoint = job.checkpoint
     check_lighthouse(job)
-    schedule_change = check_rerun(OmegaConf.to_container(cfg, resolve=True), checkpoint, job.output_dir)
+    schedule_change = check_rerun(config, checkpoint, job.output_dir)
     if schedule_change and int(os.environ.get("RANK", "0")) == 0:
         print(schedule_change, flush=True)
     check_writable(job.output_dir)
@@ -72,7 +81,7 @@ def run(cfg: DictConfig) -> None:
         init_distributed(device, job.distributed.timeout_s)
         lock = OutputLock(job.output_dir, dist.get_rank())
         watchdog = Watchdog(job.distributed.step_timeout_s, job.distributed.timeout_s, job.output_dir)
-        build_trainer(job, OmegaConf.to_container(cfg, resolve=True), dims, checkpoint, device, dataset, val_dataset,
+        build_trainer(job, config, dims, checkpoint, device, dataset, val_dataset,
                       predicted, watchdog).fit()
     except TrainingStopped as e:
         # Every rank reaches the same decision from the same all-reduced values; one line each.

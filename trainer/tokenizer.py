@@ -90,9 +90,14 @@ def _token_name(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+def is_bytes(spec: str) -> bool:
+    """Whether data.tokenizer `spec` means UTF-8 bytes (`auto` where no weights hold a tokenizer)."""
+    return spec in ("bytes", "auto")
+
+
 @functools.lru_cache(maxsize=4)
 def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+    return ByteTokenizer() if is_bytes(spec) else HFTokenizer(spec)
 
 
 def pieces(documents: Iterable[str]) -> Iterator[tuple[str, bool, bool]]:

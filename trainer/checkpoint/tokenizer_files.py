@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from trainer.tokenizer import build_tokenizer
+from trainer.tokenizer import build_tokenizer, is_bytes
 
 TOKENIZER = "tokenizer.json"
 BESIDE = ("tokenizer_config.json", "special_tokens_map.json")
@@ -19,7 +19,7 @@ BESIDE = ("tokenizer_config.json", "special_tokens_map.json")
 def tokenizer_files(spec: str) -> dict[str, Path]:
     """The files of tokenizer `spec` (data.tokenizer: a tokenizer.json, or a folder holding one) by
     the name they are kept under; none for the byte tokenizer."""
-    if spec == "bytes":
+    if is_bytes(spec):
         return {}
     path = Path(spec)
     folder, main = (path, path / TOKENIZER) if path.is_dir() else (path.parent, path)
@@ -35,6 +35,16 @@ def copy_tokenizer(spec: str, folder: Path) -> None:
 def held_tokenizer(folder: Path) -> str | None:
     """The tokenizer a checkpoint or Hugging Face folder holds (its path, as data.tokenizer takes it)."""
     return str(folder) if (folder / TOKENIZER).is_file() else None
+
+
+def resolve_tokenizer(spec: str, source: str, initial: str | None) -> str:
+    """data.tokenizer with `auto` resolved: the tokenizer held beside checkpoint.initial's weights (a
+    Hugging Face folder's, or the one a checkpoint of ours kept), else bytes; the embedded text is
+    always bytes."""
+    if spec != "auto":
+        return spec
+    held = held_tokenizer(Path(initial)) if initial is not None and source != "embedded" else None
+    return held or "bytes"
 
 
 def special_ids(spec: str) -> dict[str, int | None]:

@@ -21,7 +21,7 @@ from trainer.data.mixture import Mixture
 from trainer.data.packed import VAL_FRACTION, PackedTokens
 from trainer.data.readers import documents, read_token_file
 from trainer.errors import ConfigError
-from trainer.tokenizer import ByteTokenizer, build_tokenizer
+from trainer.tokenizer import ByteTokenizer, build_tokenizer, is_bytes
 
 SOURCES = ("embedded", "text", "json", "parquet", "hub", "binary")
 
@@ -34,7 +34,7 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
     if data.mix:
         return _mixture(data, seq_len, seed, split)
     if data.source == "embedded":
-        if data.tokenizer != "bytes":
+        if not is_bytes(data.tokenizer):
             raise ConfigError(f"data.tokenizer={data.tokenizer} needs another data.source (the embedded text is bytes)")
         # Validation draws from a disjoint stream of the same generator.
         return EmbeddedText(seq_len, seed if split == "train" else seed + 7919)
@@ -47,7 +47,7 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
         if not data.path:
             raise ConfigError("data.path=None must name a token file for data.source=binary")
         tokens, meta = read_token_file(data.path, what)
-        if data.tokenizer != "bytes":  # (bytes, the default, says nothing: the file's own tokenizer is used)
+        if not is_bytes(data.tokenizer):  # (bytes says nothing: the file's own tokenizer is used)
             check_tokenizer(meta, build_tokenizer(data.tokenizer), what, "prepare it again with this tokenizer")
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     if data.source == "hub":

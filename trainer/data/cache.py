@@ -18,7 +18,7 @@ import numpy as np
 
 from trainer.data.readers import Problems, TokenFile, documents, read_token_file, text_paths
 from trainer.errors import ConfigError
-from trainer.tokenizer import build_tokenizer, encode_documents
+from trainer.tokenizer import build_tokenizer, encode_documents, is_bytes
 
 CACHE_FORMAT = 2  # bumped when the tokens written for the same input would change (2: empty files skipped)
 
@@ -104,8 +104,8 @@ def _tokenize(out: Path, tokenizer, source: str, path: str, text_field: str, tok
     with TokenWriter(out, tokenizer) as writer:
         for ids in encode_documents(documents(source, path, text_field, problems), tokenizer):
             writer.write(ids)
-        writer.finish(tokenizer=tokenizer_spec, source=source, path=path, text_field=text_field,
-                      problems=problems.lines())
+        named = "bytes" if is_bytes(tokenizer_spec) else tokenizer_spec
+        writer.finish(tokenizer=named, source=source, path=path, text_field=text_field, problems=problems.lines())
 
 
 def check_tokenizer(meta: dict, tokenizer, what: str, remedy: str) -> None:
