@@ -183,10 +183,15 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
         dist.destroy_process_group()
 
 
+# The ranks of spawn() start from a server process that has imported torch and the trainer once for
+# the whole suite (seconds less per rank than a fresh interpreter's imports).
+mp.set_forkserver_preload(["torch", "torch.distributed", "trainer", "trainer.job"])
+
+
 def spawn(fn, world_size: int, *args, timeout: float = 180) -> None:
     """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; fn must be module-level."""
     context = mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="spawn"
+        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
