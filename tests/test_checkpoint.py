@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    ENV,
     REPO,
     by_step,
     failure_report,
@@ -31,6 +30,9 @@ from trainer import build_model, load_weights
 from trainer.checkpoint import CheckpointError, SafeReader, folders, verify
 from trainer.config import JobConfig
 from trainer.data import BatchLoader, build_dataset
+from trainer.errors import ConfigError
+from trainer.overrides import compose_job
+from trainer.rules import check_config
 
 STEPS = 10
 COMMON = (
@@ -256,11 +258,11 @@ def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
     ("checkpoint.resume=/no/such/dir", "config error: checkpoint.resume=/no/such/dir is not a directory"),
     ("checkpoint.initial=/no/such/dir", "config error: checkpoint.initial=/no/such/dir is not a directory"),
 ])
-@pytest.mark.multiprocess
-def test_bad_checkpoint_settings_are_config_errors(override, message, tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "+smoke=cpu", override,
-                             f"output_dir={tmp_path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.startswith(message), result.stderr[-2000:]
+def test_bad_checkpoint_settings_are_config_errors(override, message):
+    """Composed and checked as every rank does first (test_bad_input holds the line and exit 2)."""
+    with pytest.raises(ConfigError) as error:
+        check_config(compose_job(["+smoke=cpu", override]), 1)
+    assert f"config error: {error.value}".startswith(message)
 
 
 def test_weights_without_the_moe_bias_load_into_a_model_that_balances_with_one(tmp_path):

@@ -49,10 +49,11 @@ LAYOUTS = {
     "hsdp_elastic_micro1": (4, ["+recipe=llama_hsdp", "parallel.dp_replicate=-1", "parallel.dp_shard=2",
                                 "training.micro_batch_size=1"]),
     "fsdp2_accum2": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2"]),
-    "fsdp2_ac_full": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full"]),
+    # Full checkpointing: every second block here (compiled), every block in float8's cp2 row.
     "fsdp2_ac_full_every2_compile": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full",
                                          "training.activation_checkpoint_every=2", "training.compile=true"]),
-    "fsdp2_ac_selective": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective"]),
+    # Selective checkpointing under FSDP: the ops policy here, the default half_mm policy eagerly under
+    # tp and cp (below) and compiled under tp, the interleaved pipeline and ep.
     "fsdp2_ac_selective_ops": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective",
                                    "training.selective_policy=ops"]),
     "tp2": (2, ["+recipe=llama_tp2"]),
@@ -75,8 +76,10 @@ LAYOUTS = {
     "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
     **{f"cp2_{m}_compile": (2, ["+recipe=llama_cp2", f"parallel.cp_method={m}", "training.compile=true"])
        for m in CP_METHODS},
-    **{f"cp2_fsdp2_{m}": (4, ["+recipe=llama_cp2", f"parallel.cp_method={m}"]) for m in CP_METHODS},
-    **{f"cp2_tp2_{m}": (4, ["+recipe=llama_cp2", "parallel.tp=2", f"parallel.cp_method={m}"]) for m in CP_METHODS},
+    # cp with FSDP and with tp: ring attention; the all-gather method's kernel is the same in every
+    # layout (its rows: compiled above, with document masks below).
+    "cp2_fsdp2_ring": (4, ["+recipe=llama_cp2", "parallel.cp_method=ring"]),
+    "cp2_tp2_ring": (4, ["+recipe=llama_cp2", "parallel.tp=2", "parallel.cp_method=ring"]),
     "cp2_ring_ac_selective": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
                                   "training.activation_checkpoint=selective"]),
     "cp2_hsdp2x1": (4, ["+recipe=llama_cp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
@@ -99,7 +102,7 @@ TWO_MICROBATCHES = ("training.grad_accum_steps=2",)
 # name -> (ranks, recipe and overrides, the 1-rank reference's overrides)
 MOE_LAYOUTS = {
     "ep2": (2, ["+recipe=mixtral_ep"], ()),
-    "ep4": (4, ["+recipe=mixtral_ep"], ()),
+    # Four expert-parallel ranks: ep4_cp2 (the experts over dp_shard 2 x cp 2).
     "ep2_fsdp2": (4, ["+recipe=mixtral_ep", "parallel.ep=2"], ()),
     "ep2_hsdp2x1": (4, ["+recipe=mixtral_ep", "parallel.dp_replicate=2"], ()),
     "ep4_cp2": (4, ["+recipe=mixtral_ep", "parallel.cp=2"], ()),
@@ -341,9 +344,9 @@ def test_document_mask_layout_matches_single_process(layout, document_runs, tmp_
 
 # A weighted mixture (data.mix) of text files and the embedded text: every layout reads the same
 # windows from each source.
+# Mixing is in the data, which the data-parallel ranks split (every tp or cp rank reads its dp rank's).
 MIXTURE_LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"]),
-    "tp2": (2, ["+recipe=llama_tp2"]),
 }
 
 
