@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.checkpoint import Checkpointer, TrainState, roll_back
+from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.data.microbatches import StepData
+from trainer.describe import describe_layout
 from trainer.distributed import restart_count
 from trainer.fault_tolerance import OneGroup
 from trainer.guards import StepGuard, check_finite
@@ -135,8 +136,6 @@ class Trainer:
                      f"{self.replicas.recovered_at:.2f}s (quorum, transfer and load of the weights, optimizer state "
                      f"and step; no checkpoint read)")
         elif self.deferred_resume is not None and self.step == 0:
-            from trainer.setup import resume
-
             self.watchdog.slow("resume")
             groups = [self.checkpoint_dir.parent.parent / f"replica_group_{g}" / "checkpoints"
                       for g in range(self.job.parallel.dp_replicate)]
@@ -233,6 +232,19 @@ class Trainer:
             self.checkpointer.close()
         self.replicas.close()
         self.logger.close()
+
+
+def resume(job: JobConfig, dims: ParallelDims, checkpoint: CheckpointConfig, state: TrainState, data: StepData,
+           folders: Path | list[Path], log) -> int:
+    """Loads what checkpoint.* asks for (resume=auto: the newest in `folders`); returns the step to go
+    on from, with the data's position set to it (collective)."""
+    t = job.training
+    start_step, position, saved_world = restore(checkpoint, state, folders, job.model, log)
+    if saved_world is not None and saved_world != dims.world_size:
+        log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
+            f"grad_accum_steps={dims.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
+    data.loader.offset = position - start_step * t.global_batch_size
+    return start_step
 
 
 def compiled_graphs() -> int:

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from trainer.build import build_model_parts, build_options
-from trainer.checkpoint import Checkpointer, TrainState, restore
+from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.data.microbatches import StepData
 from trainer.describe import describe_layout, describe_share
@@ -21,7 +21,7 @@ from trainer.fault_tolerance import OneGroup, ReplicaGroups
 from trainer.float8 import Float8Scales, float8_of, gathers_in_float8
 from trainer.float8 import describe as describe_float8
 from trainer.guards import StepGuard
-from trainer.loop import Trainer
+from trainer.loop import Trainer, resume
 from trainer.measured_memory import MemoryFigures
 from trainer.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
 from trainer.models import family
@@ -117,19 +117,6 @@ def build_data(job: JobConfig, dims: ParallelDims, dataset, val_dataset, faults:
     return StepData(dataset, val_dataset, job.training, dims, dims.view("dp").get_local_rank(),
                     dims.view("cp").get_local_rank(), eos_id, corrupt,
                     job.parallel.dp_replicate if ft.enabled else 1, ft.replica_group if ft.enabled else 0)
-
-
-def resume(job: JobConfig, dims: ParallelDims, checkpoint: CheckpointConfig, state: TrainState, data: StepData,
-           folders: Path | list[Path], log) -> int:
-    """Loads what checkpoint.* asks for (resume=auto: the newest in `folders`); returns the step to go
-    on from, with the data's position set to it (collective)."""
-    t = job.training
-    start_step, position, saved_world = restore(checkpoint, state, folders, job.model, log)
-    if saved_world is not None and saved_world != dims.world_size:
-        log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
-            f"grad_accum_steps={dims.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
-    data.loader.offset = position - start_step * t.global_batch_size
-    return start_step
 
 
 def describe_model(model: nn.Module, dims: ParallelDims, log) -> float:
