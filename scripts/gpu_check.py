@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -264,25 +266,37 @@ def table_run(device, model: list[str], compile: bool, checkpointing: str,
     return records, float(planned.group(1)) if planned else None
 
 
+def workers(device) -> int:
+    """One GPU runs one check or row at a time (its figures are the GPU's alone); the CPU's tiny runs
+    go side by side, a core each."""
+    return 1 if device.type == "cuda" else max(1, min(4, os.cpu_count() or 1))
+
+
 def print_table(device) -> None:
     print("| run | tokens/s | MFU | peak reserved GiB | peak tensors GiB | plan's tensors GiB |")
     print("|---|---|---|---|---|---|")
-    for name, (model, compile, checkpointing, extra) in TABLE.items():
-        try:
-            records, planned = table_run(device, model, compile, checkpointing, extra)
-        except Exception as e:  # a run that fails is a row that says so; the others still run
-            print(f"| {name} | failed: {type(e).__name__}: {e} | | | | |", flush=True)
-            continue
-        steady = records[10:] or records
-        mfu = median_mfu(records, 10)
-        print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in steady):,.0f} | "
-              f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {max(r['mem_gib'] for r in records):.1f} | "
-              f"{max(r['mem_tensor_gib'] or 0 for r in records):.1f} | "
-              f"{'n/a' if planned is None else f'{planned:.1f}'} |", flush=True)
+    with ThreadPoolExecutor(workers(device)) as pool:
+        runs = {name: pool.submit(table_run, device, *row) for name, row in TABLE.items()}
+        for name, run in runs.items():
+            print_row(name, run)
 
 
-CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, check_llama_run, check_mixtral_run,
-          check_checkpoint_resume]
+def print_row(name: str, run: Future) -> None:
+    try:
+        records, planned = run.result()
+    except Exception as e:  # a run that fails is a row that says so; the others still run
+        print(f"| {name} | failed: {type(e).__name__}: {e} | | | | |", flush=True)
+        return
+    steady = records[10:] or records
+    mfu = median_mfu(records, 10)
+    print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in steady):,.0f} | "
+          f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {max(r['mem_gib'] for r in records):.1f} | "
+          f"{max(r['mem_tensor_gib'] or 0 for r in records):.1f} | "
+          f"{'n/a' if planned is None else f'{planned:.1f}'} |", flush=True)
+
+
+RUNS = [check_llama_run, check_mixtral_run, check_checkpoint_resume]
+CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, *RUNS]
 
 
 def main() -> None:
@@ -298,13 +312,15 @@ def main() -> None:
         print("no GPU: the CUDA checks are skipped; the CPU-runnable ones run at tiny sizes | "
               f"torch {torch.__version__}")
     failed = 0
-    for check in CHECKS:
-        try:
-            status, detail = check(device, args)
-        except Exception as e:  # a check that crashes is a failed check; the others still run
-            status, detail = "FAIL", f"{type(e).__name__}: {e}"
-        failed += status == "FAIL"
-        print(f"{status} {check.__name__[len('check_'):]}: {detail}", flush=True)
+    with ThreadPoolExecutor(workers(device)) as pool:
+        runs = {check: pool.submit(check, device, args) for check in RUNS}  # training in processes of their own
+        for check in CHECKS:
+            try:
+                status, detail = runs[check].result() if check in runs else check(device, args)
+            except Exception as e:  # a check that crashes is a failed check; the others still run
+                status, detail = "FAIL", f"{type(e).__name__}: {e}"
+            failed += status == "FAIL"
+            print(f"{status} {check.__name__[len('check_'):]}: {detail}", flush=True)
     print(f"{len(CHECKS) - failed} of {len(CHECKS)} checks passed")
     if args.table:
         print_table(device)
