@@ -24,6 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from trainer.config_files import CONFIG_DIR, register_configs  # noqa: E402
 from trainer.data import BatchLoader, build_dataset  # noqa: E402
+from trainer.rules import check_data  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -36,6 +37,7 @@ def main(argv: list[str]) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         job = OmegaConf.to_object(compose(config_name="config", overrides=args.overrides))
     t = job.training
+    check_data(job.data)
     started = time.perf_counter()
     dataset = build_dataset(job.data, t.seq_len, t.seed)
     built = time.perf_counter()

@@ -31,6 +31,7 @@ from trainer.data import (
 )
 from trainer.errors import ConfigError
 from trainer.models.attention import attend_within_documents
+from trainer.rules import check_data
 from trainer.tokenizer import CHUNK_CHARS, build_tokenizer
 
 
@@ -347,10 +348,15 @@ def test_missing_data_path_is_a_config_error(tmp_path):
         build_dataset(DataConfig(source="binary", path=str(tmp_path / "missing.bin")), seq_len=32, seed=0)
     with pytest.raises(ConfigError, match="data.tokenizer=.*nothing is neither 'bytes' nor a tokenizer.json"):
         build_tokenizer(str(tmp_path / "nothing"))
-    with pytest.raises(ConfigError, match="data.source=s3 is unknown"):
-        build_dataset(DataConfig(source="s3"), seq_len=32, seed=0)
-    with pytest.raises(ConfigError, match="data.path=None must name a Hugging Face dataset"):
-        build_dataset(DataConfig(source="hub"), seq_len=32, seed=0)
+    # What the keys say without reading anything: the rules every rank checks first.
+    with pytest.raises(ConfigError, match=r"data.source=s3 is unknown; choose one of \['embedded', 'text'"):
+        check_data(DataConfig(source="s3"))
+    with pytest.raises(ConfigError, match="data.path=None must name a Hugging Face dataset for data.source=hub"):
+        check_data(DataConfig(source="hub"))
+    with pytest.raises(ConfigError, match="data.path=None must name a token file for data.source=binary"):
+        check_data(DataConfig(source="binary"))
+    with pytest.raises(ConfigError, match=r"data.tokenizer=.*tok.json needs another data.source \(the embedded"):
+        check_data(DataConfig(source="embedded", tokenizer=str(tmp_path / "tok.json")))
 
 
 def write_corpus(folder: Path, n_files: int, docs_per_file: int = 150) -> Path:

@@ -138,10 +138,18 @@ def test_rule_gives_a_config_error(world, settings, message):
      r"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule=zbv"),
     ({"distributed__timeout_s": 0}, r"distributed.timeout_s=0 must be > 0 seconds"),
     ({"distributed__step_timeout_s": -5}, r"distributed.step_timeout_s=-5 must be null \(no watchdog\) or > 0 seconds"),
+    ({"optim__name": "sgd"}, r"optim.name=sgd is unknown; this version supports 'adamw'"),
 ])
 def test_checkpointing_and_timeout_rules_give_a_config_error(settings, message):
     with pytest.raises(ConfigError, match=message):
         check_job(job_for(**settings), 2)
+
+
+def test_an_unknown_device_is_a_config_error():
+    job = job_for()
+    job.device = "tpu"
+    with pytest.raises(ConfigError, match=r"^device=tpu is unknown; choose auto, cpu or cuda$"):
+        check_job(job, 2)
 
 
 def _check_meshes(rank, world_size):

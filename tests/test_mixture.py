@@ -8,6 +8,7 @@ from helpers import launch
 from trainer.config import DataConfig, MixSource
 from trainer.data import BatchLoader, build_dataset
 from trainer.errors import ConfigError
+from trainer.rules import check_data
 
 # Three sources of disjoint alphabets, so each window tells which source it came from.
 ALPHABETS = ("abcdefgh", "ijklmnop", "qrstuvwx")
@@ -79,8 +80,10 @@ def test_bad_mixtures_are_config_errors(tmp_path):
         ([MixSource(path=paths[0])], {"path": paths[1]}, r"data.path=.* and data.mix exclude each other"),
     ]
     for mix, data, message in cases:
+        config = DataConfig(mix=mix, cache_dir=str(tmp_path / "cache"), **data)
         with pytest.raises(ConfigError, match=message):
-            build_dataset(DataConfig(mix=mix, cache_dir=str(tmp_path / "cache"), **data), seq_len=16, seed=0)
+            check_data(config)  # the keys (every rank, first), then what reading the sources finds
+            build_dataset(config, seq_len=16, seed=0)
 
 
 @pytest.mark.multiprocess

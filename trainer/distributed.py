@@ -18,9 +18,7 @@ def world_size() -> int:
 
 
 def resolve_device(setting: str) -> torch.device:
-    """`auto`: the GPU of this local rank when one is visible, else the CPU."""
-    if setting not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device={setting} is unknown; choose auto, cpu or cuda")
+    """`auto`: the GPU of this local rank when one is visible, else the CPU (`setting` checked by ranges.py)."""
     if setting == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no GPU is visible; use device=cpu or device=auto")
     if setting == "cpu" or not torch.cuda.is_available():

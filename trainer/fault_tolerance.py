@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.config import JobConfig
+from trainer.config import FaultToleranceConfig, JobConfig
 from trainer.errors import ConfigError
 from trainer.float8 import plain
 from trainer.tensors import local_tensor
@@ -58,30 +58,9 @@ def lighthouse_address(ft) -> str | None:
     return ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
 
 
-def check_fault_tolerance(job: JobConfig) -> None:
-    """The fault_tolerance keys against the layout (no process group needed)."""
-    ft, groups = job.fault_tolerance, job.parallel.dp_replicate
-    if not ft.enabled:
-        return
-    if groups < 2:
-        raise ConfigError(f"fault_tolerance.enabled=true needs parallel.dp_replicate >= 2 replica groups to replicate "
-                          f"over (each a job of its own); parallel.dp_replicate={groups}")
-    if not 0 <= ft.replica_group < groups:
-        raise ConfigError(f"fault_tolerance.replica_group={ft.replica_group} must be one of the "
-                          f"parallel.dp_replicate={groups} groups: 0..{groups - 1}")
-    if not 1 <= ft.min_replicas <= groups:
-        raise ConfigError(f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and the "
-                          f"parallel.dp_replicate={groups} groups")
-    if job.training.spike.threshold is not None and job.training.spike.action == "rollback":
-        raise ConfigError("training.spike.action=rollback cannot be combined with fault_tolerance.enabled=true: the "
-                          "replica groups hold different checkpoints and would roll back apart; use skip")
-    if job.model.bias_update_speed > 0:
-        raise ConfigError(f"model.bias_update_speed={job.model.bias_update_speed} cannot be combined with "
-                          f"fault_tolerance.enabled=true: each replica group measures its own expert load, and their "
-                          f"biases would move apart; set model.bias_update_speed=0")
-    if job.training.global_batch_size % groups:
-        raise ConfigError(f"training.global_batch_size={job.training.global_batch_size} must be divisible by the "
-                          f"parallel.dp_replicate={groups} replica groups")
+def check_available(ft: FaultToleranceConfig) -> None:
+    """What fault tolerance needs beyond its keys (rules.py checks those): torchft, and a lighthouse's
+    address (the key or $TORCHFT_LIGHTHOUSE)."""
     torchft()
     if lighthouse_address(ft) is None:
         raise ConfigError("fault_tolerance.lighthouse is not set (nor $TORCHFT_LIGHTHOUSE): the lighthouse's address, "

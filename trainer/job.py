@@ -53,8 +53,8 @@ def run(cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["tokenizer"] = tokenizer
     import_modules(job.imports)
-    device = resolve_device(job.device)
     dims = check_config(job, world_size())
+    device = resolve_device(job.device)
     checkpoint = job.checkpoint
     check_lighthouse(job)
     schedule_change = check_rerun(config, checkpoint, job.output_dir)

@@ -9,12 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.errors import ConfigError
-
 
 def build_optimizer(model: nn.Module, optim, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    if optim.name != "adamw":
-        raise ConfigError(f"optim.name={optim.name} is unknown; this version supports 'adamw'")
     # Norm weights and other 1-D parameters are not decayed.
     groups = [
         {"params": params, "weight_decay": weight_decay if params[0].ndim >= 2 else 0.0}

@@ -60,6 +60,8 @@ RANGES = {
     "training.spike.action": ("must be skip or rollback", lambda value: value in ("skip", "rollback")),
     "training.spike.decay": ("must be between 0 and 1", lambda value: 0 < value < 1),
     "training.spike.warmup_steps": ("must be >= 1", _at_least_one),
+    "device": ("is unknown; choose auto, cpu or cuda", lambda value: value in ("auto", "cpu", "cuda")),
+    "optim.name": ("is unknown; this version supports 'adamw'", lambda value: value == "adamw"),
     "optim.beta1": ("must be in [0, 1)", lambda value: 0 <= value < 1),
     "optim.beta2": ("must be in [0, 1)", lambda value: 0 <= value < 1),
     "optim.eps": ("must be > 0", _positive),

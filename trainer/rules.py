@@ -18,9 +18,18 @@ import torch
 
 from trainer.checkpoint.folders import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
-from trainer.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
+from trainer.config import (
+    CheckpointConfig,
+    DataConfig,
+    FaultToleranceConfig,
+    JobConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+from trainer.data import SOURCES, mix_source
 from trainer.errors import ConfigError
-from trainer.fault_tolerance import check_fault_tolerance, group_view
+from trainer.fault_tolerance import check_available, group_view
 from trainer.float8 import check_float8, check_float8_layers
 from trainer.models import build_model, family
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
@@ -29,6 +38,7 @@ from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE, min_microbatches, stages_per_rank
 from trainer.ranges import check_ranges
 from trainer.tensors import DTYPES, param_dtype
+from trainer.tokenizer import is_bytes
 
 
 def check_config(job: JobConfig, world: int) -> ParallelDims:
@@ -36,6 +46,7 @@ def check_config(job: JobConfig, world: int) -> ParallelDims:
     first, and trainer-run before it starts any. Returns the layout."""
     dims = check_job(job, world)
     check_checkpoint(job.checkpoint)
+    check_data(job.data)
     if job.training.spike.action == "rollback" and not job.checkpoint.enabled:
         raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a checkpoint to go back to)")
     return dims
@@ -46,7 +57,9 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
     derive (every `-1`, the accumulation steps) resolved. `job` is left as it is."""
     check_ranges(job)
     check_model(job.model)
-    check_fault_tolerance(job)
+    if job.fault_tolerance.enabled:
+        check_fault_tolerance(job.fault_tolerance, job.parallel, job.training, job.model)
+        check_available(job.fault_tolerance)
     group = group_view(job)  # under fault tolerance, one replica group is the job's world
     dims = resolve_layout(group.parallel, job.model, group.training, world)
     if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
@@ -75,6 +88,31 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         raise ConfigError(f"validation.path={job.validation.path} needs files of your own in data.path "
                           f"(it is read like data.path, with data.source and data.tokenizer)")
     return dims
+
+
+def check_fault_tolerance(ft: FaultToleranceConfig, parallel: ParallelConfig, training: TrainingConfig,
+                          model: ModelConfig) -> None:
+    """The fault_tolerance keys against the layout and what replica groups cannot share."""
+    groups = parallel.dp_replicate
+    if groups < 2:
+        raise ConfigError(f"fault_tolerance.enabled=true needs parallel.dp_replicate >= 2 replica groups to replicate "
+                          f"over (each a job of its own); parallel.dp_replicate={groups}")
+    if not 0 <= ft.replica_group < groups:
+        raise ConfigError(f"fault_tolerance.replica_group={ft.replica_group} must be one of the "
+                          f"parallel.dp_replicate={groups} groups: 0..{groups - 1}")
+    if not 1 <= ft.min_replicas <= groups:
+        raise ConfigError(f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and the "
+                          f"parallel.dp_replicate={groups} groups")
+    if training.spike.threshold is not None and training.spike.action == "rollback":
+        raise ConfigError("training.spike.action=rollback cannot be combined with fault_tolerance.enabled=true: the "
+                          "replica groups hold different checkpoints and would roll back apart; use skip")
+    if model.bias_update_speed > 0:
+        raise ConfigError(f"model.bias_update_speed={model.bias_update_speed} cannot be combined with "
+                          f"fault_tolerance.enabled=true: each replica group measures its own expert load, and their "
+                          f"biases would move apart; set model.bias_update_speed=0")
+    if training.global_batch_size % groups:
+        raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be divisible by the "
+                          f"parallel.dp_replicate={groups} replica groups")
 
 
 def check_model(model: ModelConfig) -> None:
@@ -291,3 +329,30 @@ def check_checkpoint(cfg: CheckpointConfig) -> None:
         if not (is_hf_dir(initial) or (initial / MANIFEST).is_file()):
             raise ConfigError(f"checkpoint.initial={initial} is neither a Hugging Face model (config.json and "
                               f"*.safetensors) nor a checkpoint of this trainer ({MANIFEST})")
+
+
+def check_data(data: DataConfig) -> None:
+    """data's keys against each other; each of data.mix's sources is checked as data itself."""
+    if not data.mix:
+        _check_source(data)
+        return
+    if data.path is not None:
+        raise ConfigError(f"data.path={data.path} and data.mix exclude each other: "
+                          f"give each source its path in data.mix")
+    for i, source in enumerate(data.mix):
+        if not source.weight > 0:
+            raise ConfigError(f"data.mix[{i}].weight={source.weight} must be > 0 (leave the source out instead)")
+        try:
+            _check_source(mix_source(data, source))
+        except ConfigError as e:
+            raise ConfigError(f"data.mix[{i}]: {e}") from None
+
+
+def _check_source(data: DataConfig) -> None:
+    if data.source not in SOURCES:
+        raise ConfigError(f"data.source={data.source} is unknown; choose one of {list(SOURCES)}")
+    if data.source == "embedded" and not is_bytes(data.tokenizer):
+        raise ConfigError(f"data.tokenizer={data.tokenizer} needs another data.source (the embedded text is bytes)")
+    what = {"binary": "a token file", "hub": "a Hugging Face dataset"}.get(data.source)
+    if what and not data.path:
+        raise ConfigError(f"data.path=None must name {what} for data.source={data.source}")

@@ -26,7 +26,8 @@ from trainer.tokenizer import ByteTokenizer, build_tokenizer, is_bytes
 SOURCES = ("embedded", "text", "json", "parquet", "hub", "binary")
 
 __all__ = ["STREAM_VAL_WINDOWS", "SOURCES", "VAL_FRACTION", "BatchLoader", "ByteTokenizer", "EmbeddedText",
-           "Mixture", "PackedTokens", "Prefetcher", "sentence", "build_dataset", "document_positions", "documents"]
+           "Mixture", "PackedTokens", "Prefetcher", "sentence", "build_dataset", "document_positions", "documents",
+           "mix_source"]
 
 
 def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Dataset:
@@ -34,8 +35,6 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
     if data.mix:
         return _mixture(data, seq_len, seed, split)
     if data.source == "embedded":
-        if not is_bytes(data.tokenizer):
-            raise ConfigError(f"data.tokenizer={data.tokenizer} needs another data.source (the embedded text is bytes)")
         # Validation draws from a disjoint stream of the same generator.
         return EmbeddedText(seq_len, seed if split == "train" else seed + 7919)
     what = f"data.path={data.path}"
@@ -44,32 +43,26 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
                                      data.strict)
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     if data.source == "binary":
-        if not data.path:
-            raise ConfigError("data.path=None must name a token file for data.source=binary")
         tokens, meta = read_token_file(data.path, what)
         if not is_bytes(data.tokenizer):  # (bytes says nothing: the file's own tokenizer is used)
             check_tokenizer(meta, build_tokenizer(data.tokenizer), what, "prepare it again with this tokenizer")
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
-    if data.source == "hub":
-        if not data.path:
-            raise ConfigError("data.path=None must name a Hugging Face dataset for data.source=hub")
-        return HubStream(data, seq_len, split)
-    raise ConfigError(f"data.source={data.source} is unknown; choose one of {list(SOURCES)}")
+    assert data.source == "hub", data.source  # (rules.py names the sources)
+    return HubStream(data, seq_len, split)
+
+
+def mix_source(data, source):
+    """One of data.mix's sources as a DataConfig of its own: its keys, data's for the rest (the tokenizer)."""
+    return dataclasses.replace(data, mix=[], **{f.name: getattr(source, f.name) for f in dataclasses.fields(source)
+                                                if f.name != "weight"})
 
 
 def _mixture(data, seq_len: int, seed: int, split: str) -> Mixture:
-    """data.mix's sources (each read like data.source/path/..., with data's tokenizer), mixed."""
-    if data.path is not None:
-        raise ConfigError(f"data.path={data.path} and data.mix exclude each other: "
-                          f"give each source its path in data.mix")
+    """data.mix's sources (each read like data.source/path/...), mixed."""
     datasets = []
     for i, source in enumerate(data.mix):
-        if not source.weight > 0:
-            raise ConfigError(f"data.mix[{i}].weight={source.weight} must be > 0 (leave the source out instead)")
-        one = dataclasses.replace(data, mix=[], **{f.name: getattr(source, f.name) for f in dataclasses.fields(source)
-                                                   if f.name != "weight"})
         try:
-            datasets.append(build_dataset(one, seq_len, seed, split))
+            datasets.append(build_dataset(mix_source(data, source), seq_len, seed, split))
         except ConfigError as e:
             raise ConfigError(f"data.mix[{i}]: {e}") from None
     return Mixture(datasets, [source.weight for source in data.mix], seed)
