@@ -1,7 +1,7 @@
 """Keeps the suite's token and compiled-kernel caches out of the user's (one folder each for the session,
 inherited by the ranks the tests launch), and keeps the fast tier fast: a test that starts a process, in its body or in
 any fixture it sets up (of any scope), must be marked `multiprocess` (or `tool`: one short command that starts no
-ranks), or it fails saying so.
+ranks), or it fails saying so. TRAINER_TEST_HIDE (below) hides packages.
 
 Under pytest-xdist (`-n 2`, the README's command) each worker takes whole modules (`--dist loadscope`: a module's
 reference runs once), the longest first, and a test marked `alone` (one that times the machine) runs with the other
@@ -12,6 +12,7 @@ import fcntl
 import multiprocessing.process
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,12 @@ os.environ.setdefault("TRAINER_CACHE", tempfile.mkdtemp(prefix="trainer-cache-")
 # the float8 pp2 compile row aborting in malloc after runs killed mid-compile and runs with
 # ATEN_CPU_CAPABILITY=avx2; which of the two, not established; a fresh cache passes).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cache-"))
+# TRAINER_TEST_HIDE=torchao,torchft: those packages import as if they were not installed (None in sys.modules:
+# `import` raises ModuleNotFoundError, importlib's find_spec answers None), as with only .[dev] installed
+# (tests/test_extras.py runs the fast tier so).
+for _name in filter(None, os.environ.get("TRAINER_TEST_HIDE", "").split(",")):
+    sys.modules[_name] = None
+
 # The workers' shared lock (set by the first process to load this file, inherited by the workers).
 os.environ.setdefault("TRAINER_TEST_LOCKS", tempfile.mkdtemp(prefix="trainer-test-locks-"))
 
