@@ -4,7 +4,6 @@ that needs one skipping with the command that installs it."""
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 from helpers import ENV, REPO
@@ -13,9 +12,8 @@ from helpers import ENV, REPO
 @pytest.mark.multiprocess
 def test_the_fast_tier_passes_with_the_extras_hidden():
     """As with only .[dev] installed: torchao and torchft import as if absent (conftest.py's
-    TRAINER_TEST_HIDE). The run has its own lock folder: it must not queue behind this suite's workers."""
-    env = {**ENV, "TRAINER_TEST_HIDE": "torchao,torchft", "TRAINER_TEST_LOCKS": tempfile.mkdtemp(prefix="locks-")}
-    env.pop("PYTEST_XDIST_WORKER", None)
+    TRAINER_TEST_HIDE)."""
+    env = {**ENV, "TRAINER_TEST_HIDE": "torchao,torchft"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not multiprocess", "-p", "no:cacheprovider",
                              "-rs", "--durations=0", "-o", "addopts="], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=400)

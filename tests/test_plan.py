@@ -204,22 +204,14 @@ CASES += [(layout, "selective_ops") for layout in OPS]
 _measured: dict[tuple[str, str], float] = {}
 
 
-def timed(layout: str, ac: str) -> bool:
-    return MEASURED[layout][0] <= 2 and ac == "none"
-
-
-# The timed cases first, one after another: they run with the suite's other worker paused.
-CASES = sorted(CASES, key=lambda c: not timed(*c))
-PARAMS = [pytest.param(*c, marks=[pytest.mark.alone] if timed(*c) else []) for c in CASES]
-
-
 def case(layout: str, ac: str) -> tuple[int, bool, tuple[str, ...]]:
     """Ranks, whether the run is timed, and the overrides of one measured case."""
     ranks, overrides = MEASURED[layout]
+    timed = ranks <= 2 and ac == "none"
     steps = COUNTED + (TIMED if timed else 0)
     mode, _, policy = ac.partition("_")
     checkpointing = (f"training.activation_checkpoint={mode}", f"training.selective_policy={policy or 'half_mm'}")
-    return ranks, timed(layout, ac), (*overrides, *SIZE, f"training.steps={steps}", *checkpointing)
+    return ranks, timed, (*overrides, *SIZE, f"training.steps={steps}", *checkpointing)
 
 
 def train_case(layout: str, ac: str, tmp_path) -> list[dict]:
@@ -230,7 +222,7 @@ def train_case(layout: str, ac: str, tmp_path) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, ac", PARAMS)
+@pytest.mark.parametrize("layout, ac", CASES)
 def test_prediction_matches_measurement(layout, ac, tmp_path):
     """Rank 0's peak of live tensors (mem_tensor_gib) within 10% of the plan's; on 1 and 2 ranks
     without checkpointing, tokens/s of the steps after the counted ones within 30% of the plan's
