@@ -62,13 +62,16 @@ def launch(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
     """Like torchrun(), with the ranks forked from one process (tests/launch.py), itself forked from
     the suite's warm launcher (tests/launch_server.py) unless `env` sets what is read at start-up."""
     cmd = [sys.executable, str(REPO / "tests" / "launch.py"), str(nproc), *overrides, f"output_dir={output_dir}"]
+    if nproc == 1 and "OMP_NUM_THREADS" not in (env or {}):  # as torchrun leaves it: every core to one rank
+        env = {**(env or {}), "OMP_NUM_THREADS": str(os.cpu_count())}
     if set(env or {}) <= WARM_ENV:
         return WarmLauncher.get().run(cmd, nproc, [*overrides, f"output_dir={output_dir}"], env, timeout)
     return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
-# The settings a warm launcher's runs may change: read after start-up (not torch's thread counts).
-WARM_ENV = {"TRAINER_FAULTS"}
+# The settings a warm launcher's runs may change: read after start-up (tests/launch.py sets the ranks'
+# thread count from OMP_NUM_THREADS).
+WARM_ENV = {"TRAINER_FAULTS", "OMP_NUM_THREADS"}
 
 
 class WarmLauncher:

@@ -27,6 +27,10 @@ def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
     )
     sys.argv = [TRAIN, *overrides]
+    if "OMP_NUM_THREADS" in os.environ:  # read by torch's thread pool at import: a warm launcher's was another
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         runpy.run_path(TRAIN, run_name="__main__")
         return 0
