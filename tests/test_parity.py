@@ -69,9 +69,7 @@ LAYOUTS = {
     "tp2_no_sp_ac_selective": (2, ["+recipe=llama_tp2", "parallel.sequence_parallel=false",
                                    "training.activation_checkpoint=selective"]),
     **{f"pp2_{s}": (2, ["+recipe=llama_fsdp", "parallel.pp=2", f"parallel.pp_schedule={s}"]) for s in PP_SCHEDULES},
-    "pp2_fsdp2": (4, ["+recipe=llama_fsdp", "parallel.pp=2"]),
     "pp2_hsdp2x1": (4, ["+recipe=llama_hsdp", "parallel.pp=2"]),
-    "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
     "pp2_accum2": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2"]),
     "pp2_interleaved_1f1b_ac_selective_compile": (2, ["+recipe=llama_fsdp", "parallel.pp=2",
                                                       "parallel.pp_schedule=interleaved_1f1b",
@@ -80,16 +78,14 @@ LAYOUTS = {
     "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
     **{f"cp2_{m}_compile": (2, ["+recipe=llama_cp2", f"parallel.cp_method={m}", "training.compile=true"])
        for m in CP_METHODS},
-    # cp with FSDP and with tp: ring attention; the all-gather method's kernel is the same in every
-    # layout (its rows: compiled above, with document masks below).
-    "cp2_fsdp2_ring": (4, ["+recipe=llama_cp2", "parallel.cp_method=ring"]),
-    "cp2_tp2_ring": (4, ["+recipe=llama_cp2", "parallel.tp=2", "parallel.cp_method=ring"]),
+    # The all-gather method's kernel is the same in every layout (its rows: compiled above, with
+    # document masks below); ring attention composes with the other dimensions in 4d.
     "cp2_ring_ac_selective": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
                                   "training.activation_checkpoint=selective"]),
     "cp2_hsdp2x1": (4, ["+recipe=llama_cp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    "cp2_pp2": (4, ["+recipe=llama_cp2", "parallel.pp=2"]),
-    # dp_shard 2 x cp 2 x tp 2 x pp 2, about two minutes: ring attention here; the all-gather method
-    # composes with FSDP and TP above.
+    # dp_shard 2 x cp 2 x tp 2 x pp 2 (ring attention): every pair of these dimensions composed, so no
+    # 4-rank row repeats a pair (pp with FSDP or tp, cp with FSDP, tp or pp) but tp with FSDP, the
+    # common 2-D layout; the replicas (HSDP) compose in rows of their own above.
     "4d": (16, ["+recipe=llama_4d"]),
 }
 
