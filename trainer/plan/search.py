@@ -9,7 +9,7 @@ mode the fewest accumulation steps that fit are taken (more only re-gather param
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from collections import Counter
 
 from trainer.config import JobConfig
@@ -48,11 +48,14 @@ def candidates(job: JobConfig, gpus: int, device: Device):
 
 
 def _apply(job: JobConfig, overrides: dict) -> JobConfig:
-    job = copy.deepcopy(job)
+    """`job` with `overrides` (section.key -> value): new copies of the sections they touch, the others
+    shared (a deep copy of the whole job a candidate was a third of the search's time)."""
+    sections: dict[str, dict] = {}
     for key, value in overrides.items():
         section, name = key.split(".")
-        setattr(getattr(job, section), name, value)
-    return job
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(job, **{section: dataclasses.replace(getattr(job, section), **fields)
+                                       for section, fields in sections.items()})
 
 
 def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]:
