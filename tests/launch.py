@@ -27,7 +27,7 @@ def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
     )
     sys.argv = [TRAIN, *overrides]
-    if "OMP_NUM_THREADS" in os.environ:  # read by torch's thread pool at import: a warm launcher's was another
+    if "OMP_NUM_THREADS" in os.environ:  # torch read it at import, in the warm launcher with that one's value
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
