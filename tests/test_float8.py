@@ -12,14 +12,13 @@ import sys
 
 import pytest
 from helpers import NEEDS_TORCHAO, train_metrics
-from test_parity import CHUNKED, check_against, common, max_relative_difference
+from test_parity import CHUNKED, COMMON, check_against, max_relative_difference
 
 from trainer.config import Float8Config, JobConfig, TrainingConfig
 from trainer.errors import ConfigError
 from trainer.float8 import check_float8, check_float8_layers, convert, describe
 from trainer.ranges import check_ranges
 
-COMMON = common(6)
 FLOAT8 = ("training.float8.enabled=true",)
 EMULATED = ("training.float8.emulate=true",)
 KERNEL = ("training.float8.emulate=false",)  # torch's _scaled_mm: the GPU's path, on the CPU

@@ -1,8 +1,8 @@
 """Every parallel layout reproduces the single-process loss curve.
 
 One seed, one global batch, six steps of llama_debug in fp32 (a wrong gradient shows within three at
-this learning rate; the step guards and float8 run ten). The 1-rank run (its loss on whole
-logits) is the reference;
+this learning rate, and float8's step-4 spike is inside the run; the step guards run ten). The 1-rank
+run (its loss on whole logits) is the reference;
 each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient
 norms must match too (2e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
 Rows ending in `_compile` run compiled blocks against the same eager reference; the bf16 column and
