@@ -250,18 +250,22 @@ TABLE = {
 }
 
 
-def table_run(device, model: list[str], compile: bool, checkpointing: str,
-              extra: list[str]) -> tuple[list[dict], float | None]:
-    """One run of the table: its records and the plan's predicted peak of tensors (GiB). On the CPU, at
-    tiny sizes and without compile (the code path, not the figures)."""
+def table_overrides(device, model: list[str], compile: bool, checkpointing: str, extra: list[str]) -> list[str]:
+    """One row's run. On the CPU, at tiny sizes and without compile (the code path, not the figures):
+    rows that differ only in model or compile are then the same run."""
     if device.type == "cuda":
         overrides = [*model, "device=cuda", "training.steps=30", "training.warmup_steps=5",
                      "training.mixed_precision.param_dtype=bfloat16", f"training.compile={str(compile).lower()}"]
     else:
         overrides = ["model=llama_debug", "+smoke=cpu", "training.steps=3", "training.seq_len=64",
                      "training.global_batch_size=2"]
+    return [*overrides, f"training.activation_checkpoint={checkpointing}", *extra]
+
+
+def table_run(overrides: list[str]) -> tuple[list[dict], float | None]:
+    """One run of the table: its records and the plan's predicted peak of tensors (GiB)."""
     with tempfile.TemporaryDirectory() as out:
-        records = train([*overrides, f"training.activation_checkpoint={checkpointing}", *extra], out)
+        records = train(overrides, out)
         planned = re.search(r"plan: predicted peak ([\d.]+) GiB", (Path(out) / "console.log").read_text())
     return records, float(planned.group(1)) if planned else None
 
@@ -275,10 +279,11 @@ def workers(device) -> int:
 def print_table(device) -> None:
     print("| run | tokens/s | MFU | peak reserved GiB | peak tensors GiB | plan's tensors GiB |")
     print("|---|---|---|---|---|---|")
+    overrides = {name: table_overrides(device, *row) for name, row in TABLE.items()}
     with ThreadPoolExecutor(workers(device)) as pool:
-        runs = {name: pool.submit(table_run, device, *row) for name, row in TABLE.items()}
-        for name, run in runs.items():
-            print_row(name, run)
+        runs = {tuple(o): pool.submit(table_run, o) for o in overrides.values()}  # each distinct run once
+        for name, o in overrides.items():
+            print_row(name, runs[tuple(o)])
 
 
 def print_row(name: str, run: Future) -> None:

@@ -59,34 +59,35 @@ def kill_to_first_step(out: Path, records: list[dict]) -> list[float]:
 
 # Static rendezvous (`--master_port`) and c10d share torchrun's store with the ranks across restarts;
 # --standalone also starts a rank that hangs (the watchdog stops every rank); c10d saves in the background.
+# The four faults of --standalone, split between the other two forms (suite time): ranks killed mid-step
+# under --master_port, mid-save (mid background save) under c10d.
+# form -> (torchrun's arguments, overrides, faults ({other}: a non-zero rank), the checkpoints resumed from)
 FORMS = {
-    "master_port": (("--master_addr=127.0.0.1", "--master_port={port}"), ()),
-    "standalone": (("--standalone",), ("distributed.step_timeout_s=5",)),
+    "master_port": (("--master_addr=127.0.0.1", "--master_port={port}"), (), "kill@5:{other},kill@8:0", [4, 6]),
+    "standalone": (("--standalone",), ("distributed.step_timeout_s=5",),
+                   "kill_save@4:0,kill@5:{other},kill_save@6:{other},kill@8:0,hang@9:{other}", [2, 4, 4, 6, 8]),
     "c10d": (("--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=restarts"),
-             ("checkpoint.async_save=true",)),
+             ("checkpoint.async_save=true",), "kill_save@4:0,kill_save@6:{other}", [2, 4]),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("form", FORMS)
 def test_torchrun_restarts_killed_ranks_with_every_launch_form(form, reference, tmp_path):
-    """Rank 0 and a random other rank killed mid-save (step 4, step 6) and mid-step (step 5, step 8),
-    with no environment variable set: each time torchrun restarts the job, which resumes from the
-    newest complete checkpoint (2, 4, 4, 6) and reproduces the uninterrupted run's losses."""
-    rendezvous, extra = FORMS[form]
+    """Rank 0 and a random other rank killed mid-save (step 4, step 6) and mid-step (step 5, step 8)
+    (each form its share of these), with no environment variable set: each time torchrun restarts the
+    job, which resumes from the newest complete checkpoint and reproduces the uninterrupted run's losses."""
+    rendezvous, extra, faults, expected = FORMS[form]
     port = 29400 + random.randrange(500)
     rendezvous = tuple(arg.format(port=port) for arg in rendezvous)
     other = random.randrange(1, 2)  # a non-zero rank of 2
-    faults = f"kill_save@4:0,kill@5:{other},kill_save@6:{other},kill@8:0"
-    if form == "standalone":
-        faults += f",hang@9:{other}"
+    faults = faults.format(other=other)
     out = tmp_path / "run"
     process = start(2, *JOB, f"training.steps={STEPS}", *extra, output_dir=out, rendezvous=rendezvous,
                     launcher_args=("--max-restarts=5",), env={"TRAINER_FAULTS": faults})
     code = finish(process, timeout=300)
     log = (tmp_path / "run.log").read_text()
     assert code == 0, log[-4000:]
-    expected = [2, 4, 4, 6] + ([8] if form == "standalone" else [])
     assert resumed_steps(log) == expected, log[-4000:]
     for n in range(1, len(expected) + 1):
         assert f"checkpoint: restart {n} of at most 5: resumed from" in log

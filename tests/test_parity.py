@@ -53,9 +53,6 @@ LAYOUTS = {
     "hsdp_elastic_micro1": (4, ["+recipe=llama_hsdp", "parallel.dp_replicate=-1", "parallel.dp_shard=2",
                                 "training.micro_batch_size=1"]),
     "fsdp2_accum2": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2"]),
-    # Full checkpointing: every second block here (compiled), every block in float8's cp2 row.
-    "fsdp2_ac_full_every2_compile": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=full",
-                                         "training.activation_checkpoint_every=2", "training.compile=true"]),
     # Selective checkpointing under FSDP: the ops policy here, the default half_mm policy eagerly under
     # tp and cp (below) and compiled under tp, the interleaved pipeline and ep.
     "fsdp2_ac_selective_ops": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective",
@@ -76,8 +73,13 @@ LAYOUTS = {
                                                       "training.activation_checkpoint=selective",
                                                       "training.compile=true"]),
     "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
-    **{f"cp2_{m}_compile": (2, ["+recipe=llama_cp2", f"parallel.cp_method={m}", "training.compile=true"])
-       for m in CP_METHODS},
+    # Compiled blocks under each context-parallel method, FSDP sharding over dp_shard x cp (the compiled
+    # FSDP row); the all-gather one with full checkpointing of every second block (every block: float8's
+    # cp2 row).
+    "cp2_ring_compile": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring", "training.compile=true"]),
+    "cp2_allgather_ac_full_every2_compile": (2, ["+recipe=llama_cp2", "parallel.cp_method=allgather",
+                                                 "training.activation_checkpoint=full",
+                                                 "training.activation_checkpoint_every=2", "training.compile=true"]),
     # The all-gather method's kernel is the same in every layout (its rows: compiled above, with
     # document masks below); ring attention composes with the other dimensions in 4d.
     "cp2_ring_ac_selective": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
