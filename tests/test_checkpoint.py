@@ -15,12 +15,12 @@ from helpers import (
     by_step,
     failure_report,
     finish,
+    launch,
     logged_steps,
     loss_difference,
     read_metrics,
     spawn,
     start,
-    torchrun,
     train_metrics,
     wait_for,
 )
@@ -127,14 +127,14 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     (folder / "step_12.tmp").mkdir()
     (folder / "step_12.tmp" / ".metadata").write_bytes(b"partial")
 
-    named = torchrun(1, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={folder / 'step_10'}",
-                     output_dir=tmp_path / "named")
+    named = launch(1, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={folder / 'step_10'}",
+                   output_dir=tmp_path / "named")
     assert named.returncode != 0
     said = f"config error: checkpoint.resume={folder / 'step_10'} cannot be loaded: {data.name} is damaged"
     assert said in named.stderr
-    assert "/trainer/" not in named.stderr  # no traceback from our code (torchrun prints its own summary)
+    assert "/trainer/" not in named.stderr  # no traceback from our code
 
-    auto = torchrun(1, "+recipe=llama_fsdp", *LLAMA, output_dir=out)
+    auto = launch(1, "+recipe=llama_fsdp", *LLAMA, output_dir=out)
     assert auto.returncode == 0, failure_report(auto)
     assert f"skipping {folder / 'step_10'}: {data.name} is damaged" in auto.stdout
     assert f"resumed from {folder / 'step_9'} at step 9" in auto.stdout
@@ -226,7 +226,7 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig):
         assert log.count("Ctrl-C: stopping after this step") == 1
     assert verify(out / "checkpoints" / f"step_{stopped}") is None
 
-    resumed = torchrun(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
+    resumed = launch(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
     assert resumed.returncode == 0, failure_report(resumed)
     difference = largest_difference(read_metrics(out), reference[1], 1)
     print(f"preemption: stopped at step {stopped}, largest relative loss difference {difference:.1e}")
@@ -241,7 +241,7 @@ def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
     process = start(1, *LLAMA, "training.steps=1000", "training.seq_len=512", "checkpoint.interval=1000",
                     output_dir=out, launcher="trainer.launcher")
     log = tmp_path / "run.log"
-    wait_for(lambda: logged_steps(out) >= 2, process)
+    wait_for(lambda: logged_steps(out) >= 1, process)
     os.killpg(process.pid, signal.SIGINT)
     # Two signals sent together are one to the process: the second follows the first one's line.
     wait_for(lambda: "Ctrl-C: stopping" in log.read_text(), process)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from helpers import ENV, NEEDS_TORCHAO, REPO, train_metrics
+from helpers import NEEDS_TORCHAO, REPO, launch, train_metrics
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -147,15 +146,14 @@ def test_bad_input_is_one_line(args, message, capsys):
 
 
 @pytest.mark.multiprocess
-def test_train_refuses_a_job_that_will_not_fit():
+def test_train_refuses_a_job_that_will_not_fit(tmp_path):
     """Llama 3 8B without the debug model on this machine: stopped before any allocation, with the
     advice that fits the largest term (its optimizer state; without checkpointing, its activations)."""
     for extra, largest, advice in (([], "optimizer", "shard over more ranks"),
                                    (["training.activation_checkpoint=none"], "activations",
                                     "set training.activation_checkpoint=selective or full")):
         start = time.perf_counter()
-        result = subprocess.run([sys.executable, "train.py", "+recipe=llama_fsdp", "device=cpu", *extra], cwd=REPO,
-                                env=ENV, capture_output=True, text=True, timeout=120)
+        result = launch(1, "+recipe=llama_fsdp", "device=cpu", *extra, output_dir=tmp_path, timeout=120)
         assert result.returncode == 2 and time.perf_counter() - start < 60
         assert result.stderr.startswith("config error: plan: the job needs") and "plan.check=false" in result.stderr
         assert f"largest term: {largest}" in result.stderr and advice in result.stderr, result.stderr
