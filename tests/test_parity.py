@@ -73,9 +73,9 @@ LAYOUTS = {
                                                       "training.activation_checkpoint=selective",
                                                       "training.compile=true"]),
     "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
-    # Compiled blocks under each context-parallel method, FSDP sharding over dp_shard x cp (the compiled
-    # FSDP row); the all-gather one with full checkpointing of every second block (every block: float8's
-    # cp2 row).
+    # Compiled blocks under each context-parallel method. FSDP shards over dp_shard x cp, so these are also
+    # the rows of compiled FSDP; the all-gather one checkpoints every second block in full (every block:
+    # float8's cp2 row).
     "cp2_ring_compile": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring", "training.compile=true"]),
     "cp2_allgather_ac_full_every2_compile": (2, ["+recipe=llama_cp2", "parallel.cp_method=allgather",
                                                  "training.activation_checkpoint=full",
