@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from warm_run import WarmRun
 
 from trainer.launcher import children
 
 REPO = Path(__file__).resolve().parent.parent
+TRAIN, WARM_TRAIN = str(REPO / "train.py"), str(REPO / "tests" / "warm" / "train.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
 
@@ -42,19 +44,29 @@ NEEDS_TORCHFT = needs("torchft", "ft")
 
 
 def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = (),
-                     rendezvous: tuple = ("--standalone",), launcher: str = "torch.distributed.run") -> list[str]:
-    """torchrun (or `launcher`, a module taking its arguments) running train.py on `nproc` local ranks."""
+                     rendezvous: tuple = ("--standalone",), launcher: str = "torch.distributed.run",
+                     script: str = TRAIN) -> list[str]:
+    """torchrun (or `launcher`, a module taking its arguments) running train.py (or `script`) on `nproc` local ranks."""
     return [
         sys.executable, "-m", launcher, *rendezvous, f"--nproc_per_node={nproc}", *launcher_args,
-        str(REPO / "train.py"), *overrides, f"output_dir={output_dir}",
+        script, *overrides, f"output_dir={output_dir}",
     ]
 
 
 def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
              env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs train.py on `nproc` local gloo ranks (`env` adds to their environment); output goes to `output_dir`."""
-    cmd = torchrun_command(nproc, *overrides, output_dir=output_dir)
-    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    script, env = warm_train(env)
+    cmd = torchrun_command(nproc, *overrides, output_dir=output_dir, script=script)
+    return subprocess.run(cmd, cwd=REPO, env={**ENV, **env}, capture_output=True, text=True, timeout=timeout)
+
+
+def warm_train(env: dict | None) -> tuple[str, dict]:
+    """The train.py for torchrun to start, and `env` for its run: tests/warm/train.py (the ranks forked from
+    the warm launcher) unless `env` sets what is read at start-up."""
+    if set(env or {}) <= WARM_ENV:
+        return WARM_TRAIN, {**(env or {}), "WARM_LAUNCHER": str(WarmLauncher.get().socket)}
+    return TRAIN, env or {}
 
 
 def launch(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
@@ -98,29 +110,35 @@ class WarmLauncher:
                 raise RuntimeError(f"the warm launcher did not start: {(self.folder / 'server.log').read_text()}")
             time.sleep(0.05)
 
+    def start(self, nproc: int, overrides: list[str], env: dict | None, stdout, stderr=subprocess.STDOUT) -> WarmRun:
+        """`python tests/launch.py nproc overrides...`, forked, writing to the open files `stdout` and
+        `stderr` (or stdout): a handle like subprocess.Popen's. Its ranks are in its session."""
+        request = {"nproc": nproc, "overrides": overrides, "env": {**ENV, **(env or {})}, "cwd": str(REPO)}
+        err = stdout if stderr == subprocess.STDOUT else stderr
+        with open(os.devnull) as null:
+            return WarmRun(str(self.socket), request, (null.fileno(), stdout.fileno(), err.fileno()),
+                           ["tests/launch.py", str(nproc), *overrides])
+
     def run(self, cmd: list[str], nproc: int, overrides: list[str], env: dict | None,
             timeout: float) -> subprocess.CompletedProcess:
-        out, err = self.folder / "stdout", self.folder / "stderr"
-        request = {"nproc": nproc, "overrides": overrides, "env": {**ENV, **(env or {})}, "cwd": str(REPO),
-                   "stdout": str(out), "stderr": str(err)}
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
-            conn.connect(str(self.socket))
-            conn.sendall((json.dumps(request) + "\n").encode())
-            answers = conn.makefile("r")
-            pid, code = int(answers.readline()), None
+        with tempfile.TemporaryFile("w+", errors="replace") as out, \
+                tempfile.TemporaryFile("w+", errors="replace") as err:
+            run, code = self.start(nproc, overrides, env, out, err), None
             try:
-                code = int(answers.readline())
-            except (TimeoutError, ValueError):
+                code = run.wait(timeout)
+            except subprocess.TimeoutExpired:
                 pass
             finally:
                 if code is None:  # timed out, or the test was interrupted: the run and its ranks go
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
+                        os.killpg(run.pid, signal.SIGKILL)
+                run.close()
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
         if code is None:
-            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"),
-                                            err.read_text(errors="replace"))
-        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -209,8 +227,9 @@ def start(nproc: int, *overrides: str, output_dir: Path, log: Path | None = None
     """Starts torchrun (torchrun_command's `launch` arguments) in the background; its output goes
     to `log` (default: beside output_dir, named after it)."""
     log = open(log or output_dir.parent / f"{output_dir.name}.log", "w")
-    return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir, **launch), cwd=REPO,
-                            env={**ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True,
+    script, env = warm_train(env)
+    return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir, script=script, **launch),
+                            cwd=REPO, env={**ENV, **env}, stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ENV, REPO, read_metrics, train_metrics
+from helpers import ENV, REPO, WarmLauncher, read_metrics, train_metrics
+from warm_run import WarmRun
 
 pytest.importorskip("torchft")
 
@@ -40,7 +41,7 @@ def _start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
                             start_new_session=True)
 
 
-def _kill(process: subprocess.Popen) -> None:
+def _kill(process: subprocess.Popen | WarmRun) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -53,7 +54,7 @@ def _steps_done(folder: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
-def _wait_for(condition, what: str, processes: list[subprocess.Popen], timeout: float = 120) -> None:
+def _wait_for(condition, what: str, processes: list[WarmRun], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         for p in processes:
@@ -73,11 +74,13 @@ def lighthouse(tmp_path):
     _kill(process)
 
 
-def _group(group: int, address: str, out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "tests" / "launch.py"), "2", *RUN, *FT, *extra,
-           f"fault_tolerance.replica_group={group}", f"fault_tolerance.lighthouse={address}", f"output_dir={out}"]
+def _group(group: int, address: str, out: Path, *extra: str) -> WarmRun:
+    """A replica group of 2 ranks (tests/launch.py forked from the warm launcher, in a session of its own)."""
+    overrides = [*RUN, *FT, *extra, f"fault_tolerance.replica_group={group}", f"fault_tolerance.lighthouse={address}",
+                 f"output_dir={out}"]
     out.mkdir(parents=True, exist_ok=True)
-    return _start(cmd, out / f"group{group}.{int(time.time() * 1000)}.log")
+    with (out / f"group{group}.{int(time.time() * 1000)}.log").open("w") as log:
+        return WarmLauncher.get().start(2, overrides, None, log)
 
 
 def _lose_and_regain_group_1(address: str, out: Path, *extra: str) -> tuple[list[dict], list[dict], float, str]:
@@ -183,7 +186,7 @@ def _weights(path: Path) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _session_pids(process: subprocess.Popen) -> list[int]:
+def _session_pids(process: WarmRun) -> list[int]:
     """The launcher and ranks of a group (its session's processes)."""
     out = subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout
     return sorted(int(pid) for pid in out.split())
