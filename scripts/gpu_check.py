@@ -162,9 +162,12 @@ def check_moe_layer(device, args) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), f"{str(dtype)[6:]}: grouped vs looped rel. {error:.1e}; {syncs}"
 
 
+TRAIN = str(REPO / "train.py")  # the script the runs start (--train)
+
+
 def train(overrides: list[str], out: str) -> list[dict]:
     """One trainer run in a process of its own; its metrics.jsonl records."""
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), f"output_dir={out}", "metrics.log_every=1",
+    result = subprocess.run([sys.executable, TRAIN, f"output_dir={out}", "metrics.log_every=1",
                              *overrides], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "train.py failed")
@@ -305,10 +308,13 @@ CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, *RUNS]
 
 
 def main() -> None:
+    global TRAIN
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run the CPU-runnable checks even with a GPU present")
     parser.add_argument("--table", action="store_true", help="then the side-by-side runs, as a table")
+    parser.add_argument("--train", default=TRAIN, help="the train.py the runs start (the tests give a stand-in)")
     args = parser.parse_args()
+    TRAIN = args.train
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:

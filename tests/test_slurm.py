@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, read_metrics
+from helpers import REPO, WarmLauncher, read_metrics
 
 CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
+WARM = REPO / "tests" / "warm"
 STEPS = 10
 BASE = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
         "training.lr=3e-3", "checkpoint.enabled=true")
@@ -30,15 +31,17 @@ def slurm(tmp_path_factory):
         pytest.skip(started.stderr.strip())
     assert started.returncode == 0, started.stdout + started.stderr
     env["SLURM_CONF"] = str(Path(env["SLURM_LOCAL_DIR"]) / "slurm.conf")
-    # Each node's torchrun starts two CPU ranks from this Python environment.
-    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
+    # Each node's torchrun starts two CPU ranks from this Python environment: the train.py of the job's
+    # folder (WARM) is tests/warm/train.py, its ranks forked from the suite's warm launcher.
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
+               WARM_LAUNCHER=str(WarmLauncher.get().socket))
     yield env
     subprocess.run(["bash", str(CLUSTER), "stop"], env=env, capture_output=True, timeout=60)
 
 
 def submit(env: dict, out: Path, *args: str, sbatch_args: tuple = ()) -> str:
     """Submits train.sbatch on both nodes; returns the job id."""
-    cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--chdir={REPO}",
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--chdir={WARM}",
            f"--output={out}/%x-%j.out", *sbatch_args, str(REPO / "scripts" / "slurm" / "train.sbatch"), *args,
            f"output_dir={out}"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
