@@ -109,8 +109,10 @@ def test_a_float8_checkpoint_resumes_in_its_layout_another_and_without_float8(tm
     """The weights FSDP holds for float8 (inside torchao's wrapper) are saved as plain tensors: the same
     layout goes on exactly; tensor parallel (accumulating as the two FSDP ranks split the batch) within
     float8's tolerance; a run without float8 (no torchao needed to read it) within float8's distance
-    from fp32."""
-    run = ("+recipe=llama_fsdp", *COMMON, "training.steps=4", "checkpoint.enabled=true", "checkpoint.interval=2")
+    from fp32. Each save follows a validation (every 2 steps), a forward with no backward after which
+    FSDP would keep the last block's float8 weights gathered."""
+    run = ("+recipe=llama_fsdp", *COMMON, "training.steps=4", "validation.every=2", "checkpoint.enabled=true",
+           "checkpoint.interval=2")
     whole = train_metrics(2, *run, *FLOAT8, *EMULATED, output_dir=tmp_path)
     expected = [r["loss"] for r in whole[2:]]
     for layout, rtol in (((*FLOAT8, *EMULATED), 0.0), ((*FLOAT8, *EMULATED, "parallel.dp_shard=1", "parallel.tp=2",

@@ -12,6 +12,7 @@ from torch import nn
 
 from trainer.config import JobConfig
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.fsdp import reshard
 from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
 
 
@@ -32,6 +33,7 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
                                 labels.to(device))
             if loss is not None:
                 total += loss / len(microbatches)
+        reshard(parts)
         return total
 
     if not dims.pp_enabled:

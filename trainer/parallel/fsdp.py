@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.models.moe import moe_layers
 
@@ -54,3 +54,14 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module |
     if head:
         shard(head, reshard=False)  # backward starts with them
     shard(model, reshard=True)
+
+
+def reshard(parts: list[nn.Module]) -> None:
+    """Frees the parameters FSDP keeps gathered after a forward for the backward that follows (the last
+    block's and the head's; every unit of a pipeline stage): after a forward-only pass (validation)
+    nothing else would, and a checkpoint or guard that reads the parameters then would see them
+    gathered (in float8, torchao's float8 tensors)."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
