@@ -1,7 +1,8 @@
 """Every parallel layout reproduces the single-process loss curve.
 
-One seed, one global batch, six steps of llama_debug in fp32 (a wrong gradient shows within three at
-this learning rate, and float8's step-4 spike is inside the run; the step guards run ten). The 1-rank
+One seed, one global batch, four steps of llama_debug in fp32 (a wrong gradient shows within three at
+this learning rate, a wrong optimizer state from the second step, and float8's step-4 spike is inside
+the run; the step guards run ten). The 1-rank
 run (its loss on whole logits) is the reference;
 each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient
 norms must match too (2e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
@@ -25,7 +26,7 @@ from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 
-STEPS = 6
+STEPS = 4
 RTOL = 1e-4
 # Tensor-parallel layouts reach 1.1e-3 on some CPUs (AVX2-only, torch 2.13; the same before the plan
 # landed), while their losses stay within 1.5e-5.
@@ -161,7 +162,7 @@ def check_against(reference: list[dict], records: list[dict], layout: str, rtol:
         f"{layout} validation losses {val} differ from the 1-rank run's {expected_val}"
     )
     # The run learned something, so agreement is not that of two flat curves.
-    assert losses[-1] < 0.8 * losses[0]
+    assert losses[-1] < 0.85 * losses[0]
 
 
 @pytest.mark.multiprocess
