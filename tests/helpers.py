@@ -69,6 +69,13 @@ def warm_train(env: dict | None) -> tuple[str, dict]:
     return TRAIN, env or {}
 
 
+def run_script(script: Path, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python script args...` (output captured), forked from the warm launcher (tests/warm/run.py)."""
+    env = {**os.environ, "WARM_LAUNCHER": str(WarmLauncher.get().socket)}
+    return subprocess.run([sys.executable, str(REPO / "tests" / "warm" / "run.py"), str(script), *map(str, args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def launch(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
            env: dict | None = None) -> subprocess.CompletedProcess:
     """Like torchrun(), with the ranks forked from one process (tests/launch.py), itself forked from

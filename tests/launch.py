@@ -31,13 +31,19 @@ def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
 
 def run_train(overrides: list[str]) -> int:
     """train.py with `overrides`, in this process (the trainer imported already): its exit status."""
-    sys.argv = [TRAIN, *overrides]
+    return run_script(TRAIN, overrides)
+
+
+def run_script(script: str, args: list[str]) -> int:
+    """`python script args...` in this process (torch imported already): its exit status."""
+    sys.argv = [script, *args]
+    sys.path[0] = str(Path(script).parent)  # as python sets it for a script
     if "OMP_NUM_THREADS" in os.environ:  # torch read it at import, in the warm launcher with that one's value
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        runpy.run_path(TRAIN, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")
         return 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -6,7 +6,8 @@ SOCKET, forks a child that is what the request names after that import:
 
 - `{"nproc": N, "overrides": [...]}`: `python tests/launch.py N overrides...` (a whole local job,
   its ranks forked in turn);
-- `{"train": [...]}`: `python train.py args...` (one rank, as torchrun starts it: tests/warm/train.py).
+- `{"script": path, "args": [...]}`: `python path args...` (tests/warm/run.py; a rank as torchrun
+  starts it: tests/warm/train.py).
 
 The request (a 16-byte length, then JSON with the environment and working folder) comes with the
 client's stdin, stdout and stderr (SCM_RIGHTS): the child uses those very files, in a session of its
@@ -140,8 +141,8 @@ def _child(request: dict, fds: list[int], launch) -> int:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        if "train" in request:
-            return launch.run_train(request["train"])
+        if "script" in request:
+            return launch.run_script(request["script"], request["args"])
         return launch.main(request["nproc"], request["overrides"])
     except BaseException as e:  # noqa: BLE001  (whatever happens, the child must exit, not serve)
         print(f"launch_server: {e!r}", file=sys.stderr)

@@ -4,8 +4,6 @@ detection, seed checkpoints, and preemption by signal (restarts of killed ranks:
 import os
 import pickle
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from helpers import (
     logged_steps,
     loss_difference,
     read_metrics,
+    run_script,
     spawn,
     start,
     train_metrics,
@@ -182,8 +181,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path):
 @pytest.mark.multiprocess
 def test_seed_checkpoint_is_the_starting_point(tmp_path):
     seed = tmp_path / "seed"
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "seed_checkpoint.py"), str(seed),
-                             "--model", "llama_debug", "--seed", "3"], capture_output=True, text=True, timeout=120)
+    result = run_script(REPO / "scripts" / "seed_checkpoint.py", seed, "--model", "llama_debug", "--seed", "3")
     assert result.returncode == 0, result.stderr
     model = build_model("llama_debug")
     load_weights(model, seed)

@@ -1,10 +1,8 @@
 """Composition: recipes, group overrides, the smoke preset, and errors for bad keys or names."""
 
-import subprocess
-import sys
 
 import pytest
-from helpers import ENV, REPO
+from helpers import REPO, run_script
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -95,10 +93,7 @@ def test_a_renamed_key_still_works_for_one_release_with_a_notice():
 
 @pytest.mark.multiprocess
 def test_print_config_without_running():
-    result = subprocess.run(
-        [sys.executable, "train.py", "+recipe=llama_fsdp", "--cfg", "job"],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120,
-    )
+    result = run_script(REPO / "train.py", "+recipe=llama_fsdp", "--cfg", "job")
     assert result.returncode == 0, result.stderr
     printed = OmegaConf.create(result.stdout)
     assert printed.parallel.dp_shard == -1 and printed.model.name == "llama3_8b"

@@ -5,8 +5,6 @@ import collections
 import json
 import math
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, launch, train_metrics
+from helpers import REPO, launch, run_script, train_metrics
 
 from trainer import build_model
 from trainer.config import DataConfig
@@ -171,8 +169,7 @@ def test_prepared_binary_file_is_the_same_stream(tmp_path):
     corpus(texts_dir, n_files=5)
     (texts_dir / "part5_big.txt").write_text("".join(f"line {i}: {'abc ' * (i % 40)}\n" for i in range(66_000)))
     out = tmp_path / "tokens.bin"
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), str(texts_dir / "*.txt"),
-                             str(out), "--workers", "2"], capture_output=True, text=True, timeout=120)
+    result = run_script(REPO / "scripts" / "prepare_data.py", texts_dir / "*.txt", out, "--workers", "2")
     assert result.returncode == 0, result.stderr
     assert "tokens/s" in result.stdout
     assert json.loads(Path(f"{out}.json").read_text())["dtype"] == "uint16"

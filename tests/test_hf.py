@@ -2,12 +2,10 @@
 imported and exported by scripts/convert_hf.py and load_weights, give the same logits."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import REPO, launch, spawn
+from helpers import REPO, launch, run_script, spawn
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
@@ -60,8 +58,7 @@ def tokens() -> torch.Tensor:
 
 
 def convert(*args: str) -> None:
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_hf.py"), *map(str, args)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_script(REPO / "scripts" / "convert_hf.py", *args)
     assert result.returncode == 0, result.stderr[-2000:]
 
 

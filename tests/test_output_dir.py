@@ -3,12 +3,10 @@ on one folder cannot run at once (the second stops naming the first; a dead job'
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import ENV, REPO, launch
+from helpers import WarmLauncher, launch
 
 RUN = ("model=llama_debug", "+smoke=cpu", "training.seq_len=32", "training.global_batch_size=2", "model.n_layers=1")
 
@@ -24,10 +22,8 @@ def test_an_unwritable_output_dir_is_a_config_error(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_second_job_on_the_same_folder_stops_at_once(tmp_path):
-    first = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "launch.py"), "1", *RUN, "training.steps=100000",
-         f"output_dir={tmp_path}"],
-        cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(os.devnull, "w") as null:
+        first = WarmLauncher.get().start(1, [*RUN, "training.steps=100000", f"output_dir={tmp_path}"], None, null)
     try:
         lock = tmp_path / ".lock"
         deadline = time.monotonic() + 120
