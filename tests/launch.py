@@ -26,11 +26,6 @@ def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
     )
-    return run_train(overrides)
-
-
-def run_train(overrides: list[str]) -> int:
-    """train.py with `overrides`, in this process (the trainer imported already): its exit status."""
     return run_script(TRAIN, overrides)
 
 
