@@ -145,7 +145,8 @@ MISTAKES = {
     "odd head dimension": (lambda p: ["model=qwen3_debug", "model.head_dim=33"],
                            r"model.head_dim=33 \(a head's width: 33\) must be even: the rotary embedding"),
     "shared experts with no MoE": (lambda p: ["model.n_shared_experts=1"],
-                                   r"model.n_shared_experts=1 needs a mixture-of-experts model"),
+                                   r"model.n_shared_experts is not a key of model.family=llama; it is one of "
+                                   r"model.family=mixtral or qwen3_moe"),
     "groups not dividing the experts": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=3"],
                                         r"model.n_expert_groups=3 must divide model.n_experts=16"),
     "more top groups than groups": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=4",

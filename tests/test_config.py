@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.errors import ConfigError
-from trainer.overrides import check_overrides, compose_job, renamed
+from trainer.overrides import check_overrides, compose_job, job_config, renamed
 
 register_configs()
 
@@ -38,7 +38,7 @@ def test_smoke_keeps_layout_and_shrinks_the_run():
 
 def test_every_recipe_composes():
     for path in RECIPE_DIR.glob("*.yaml"):
-        OmegaConf.to_object(composed(f"+recipe={path.stem}"))
+        job_config(composed(f"+recipe={path.stem}"))
 
 
 # The recipes' rank counts: each recipe, with its real model size, is a valid layout there.
@@ -51,7 +51,7 @@ RECIPE_WORLDS = {"llama_fsdp": 8, "llama_hsdp": 8, "llama_tp2": 4, "llama_tp2_pp
 def test_recipe_is_a_valid_layout_at_its_world_size(recipe):
     from trainer.rules import check_job
 
-    check_job(OmegaConf.to_object(composed(f"+recipe={recipe}")), world=RECIPE_WORLDS[recipe])
+    check_job(job_config(composed(f"+recipe={recipe}")), world=RECIPE_WORLDS[recipe])
 
 
 def test_misspelt_key_and_wrong_type_fail_naming_the_key():
@@ -103,14 +103,14 @@ def test_llama_3_1_rotary_scaling_composes_and_bad_values_are_config_errors():
     from trainer.ranges import check_ranges
     from trainer.rules import check_model
 
-    model = OmegaConf.to_object(composed("model=llama3_2_1b").model)
+    model = job_config(composed("model=llama3_2_1b")).model
     check_model(model)
     scaling = model.rope_scaling
     assert (scaling.factor, scaling.original_max_seq_len, model.max_seq_len) == (32.0, 8192, 131072)
     for override, message in (("type=yarn", "model.rope_scaling.type=yarn is not supported"),
                               ("low_freq_factor=4.0", "low_freq_factor=4.0 must be > 0 and below high_freq_factor"),
                               ("factor=0.5", "model.rope_scaling.factor=0.5 must be >= 1")):
-        job = OmegaConf.to_object(composed("model=llama3_2_1b", f"model.rope_scaling.{override}"))
+        job = job_config(composed("model=llama3_2_1b", f"model.rope_scaling.{override}"))
         with pytest.raises(ConfigError, match=message):
             check_ranges(job)
             check_model(job.model)

@@ -1,10 +1,13 @@
 """The layout: degree inference, each of its rules (trainer/rules.py), and the mesh with its views."""
 
+import dataclasses
+
 import pytest
 from helpers import spawn
 
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
+from trainer.models import model_config
 from trainer.parallel.dims import ParallelDims
 from trainer.rules import check_job, resolve_layout
 
@@ -13,9 +16,14 @@ def job_for(**settings) -> JobConfig:
     """The default job with `settings`: parallel keys by name, others as section__key."""
     job = JobConfig()
     job.training.seq_len, job.training.global_batch_size = 128, 8
+    model = {key.split("__")[1]: value for key, value in settings.items() if key.startswith("model__")}
+    if "n_experts" in model:
+        model["family"] = "mixtral"
+    job.model = model_config({**dataclasses.asdict(job.model), **model})
     for key, value in settings.items():
         section, name = key.split("__") if "__" in key else ("parallel", key)
-        setattr(getattr(job, section), name, value)
+        if section != "model":
+            setattr(getattr(job, section), name, value)
     return job
 
 

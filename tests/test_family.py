@@ -1,10 +1,12 @@
 """A model family defined here, not under trainer/: registered through the public registry and trained
 under FSDP2, TP2 and PP2 against its one-process curve. It is a Llama variant with other module names
 (embed, blocks, final_norm, lm_head; ln_1, attn.q/k/v/proj, ln_2, mlp.up/down), LayerNorm and a
-GELU MLP, so nothing the parallel code could know by name. The ranks import this module through the
-config's `imports`, where the family registers itself."""
+GELU MLP, so nothing the parallel code could know by name, and a config key of its own
+(model.gelu_approximate). The ranks import this module through the config's `imports`, where the
+family registers itself."""
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,15 +17,28 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from trainer import build_model
+from trainer.config import ModelConfig
+from trainer.errors import ConfigError
 from trainer.models import ModelSpec, register_family
 from trainer.models.attention import CausalAttention
+from trainer.models.costs import FP32, Costs, Flops, Shapes, gqa_context_bytes, gqa_kept, gqa_saved, lse_bytes
+from trainer.models.decoder import apply_rope, rope_cos_sin, rope_frequencies
 from trainer.models.head import LMHead
-from trainer.models.llama.memory import attention_kept, attention_saved, stream_tokens
-from trainer.models.llama.model import apply_rope, rope_cos_sin, rope_frequencies
-from trainer.models.spec import FP32, Shapes
-from trainer.parallel.tensor_parallel import LMHeadParallel, ReplicateParameters
+from trainer.models.tp_plans import LMHeadParallel, ReplicateParameters
+from trainer.overrides import compose_job
+from trainer.rules import check_job
 
 FAMILY = "gelu_test"
+
+
+@dataclass
+class GeluConfig(ModelConfig):
+    gelu_approximate: str = "none"  # the family's own key: torch's GELU, exact (none) or tanh
+
+
+def check(cfg: GeluConfig) -> None:
+    if cfg.gelu_approximate not in ("none", "tanh"):
+        raise ConfigError(f"model.gelu_approximate={cfg.gelu_approximate} must be none or tanh")
 
 
 class SelfAttention(nn.Module):
@@ -54,10 +69,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
         self.mlp = nn.ModuleDict({"up": nn.Linear(cfg.dim, cfg.ffn_dim, bias=False),
                                   "down": nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)})
+        self.approximate = cfg.gelu_approximate
 
     def forward(self, x, positions):
         x = x + self.attn(self.ln_1(x), positions)
-        return x + self.mlp["down"](F.gelu(self.mlp["up"](self.ln_2(x))))
+        return x + self.mlp["down"](F.gelu(self.mlp["up"](self.ln_2(x)), approximate=self.approximate))
 
 
 class GeluModel(nn.Module):
@@ -101,35 +117,39 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     }
 
 
-def activation_bytes(s: Shapes) -> float:
-    """Llama's norms and attention; the MLP saves its up projection's output and the GELU of it."""
-    elements, fp32 = attention_saved(s)
-    return (elements + 2 * s.tokens * s.ffn_dim // s.tp) * s.act_bytes + fp32 * FP32
+class GeluCosts(Costs):
+    def flops(self, cfg, seq_len: int) -> Flops:
+        kv = cfg.n_kv_heads * (cfg.dim // cfg.n_heads)
+        blocks = 6 * cfg.n_layers * (2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 2 * cfg.dim * cfg.ffn_dim)
+        return Flops(blocks=blocks, attention=12 * cfg.n_layers * cfg.dim * seq_len, head=6 * cfg.dim * cfg.vocab_size,
+                     float8=blocks)
+
+    def activation_bytes(self, s: Shapes, layer: int) -> float:
+        """Llama's norms and attention; the MLP saves its up projection's output and the GELU of it."""
+        elements, fp32 = gqa_saved(s, s.model.dim // s.model.n_heads)
+        return (elements + 2 * s.tokens * s.model.ffn_dim // s.tp) * s.act_bytes + fp32 * FP32
+
+    def selective_bytes(self, s: Shapes, layer: int, policy: str) -> float:
+        """Of the MLP, the up projection's output and the down projection's with its reduced copy (the
+        block's fifth and sixth matmuls: half_mm recomputes the down projection, keeping the copy)."""
+        m = s.model
+        elements = gqa_kept(s, m.dim // m.n_heads, policy)
+        elements += s.tokens * m.ffn_dim // s.tp + (s.tokens * m.dim if policy == "ops" else 0)
+        elements += s.stream_tokens * m.dim if s.tp > 1 else 0
+        return elements * s.act_bytes + lse_bytes(s)
+
+    def context_bytes(self, s: Shapes) -> float:
+        return gqa_context_bytes(s, s.model.dim // s.model.n_heads)
 
 
-def selective_bytes(s: Shapes, policy: str) -> float:
-    """Of the MLP, the up projection's output and the down projection's with its reduced copy (the
-    block's fifth and sixth matmuls: half_mm recomputes the down projection, keeping the copy)."""
-    elements, _ = attention_kept(s, policy)
-    elements += s.tokens * s.ffn_dim // s.tp + (s.tokens * s.dim if policy == "ops" else 0)
-    elements += stream_tokens(s) * s.dim if s.tp > 1 else 0
-    return elements * s.act_bytes + s.tokens * s.n_heads // s.tp * FP32
-
-
-def flops_per_token(cfg, seq_len: int) -> float:
-    kv = cfg.n_kv_heads * (cfg.dim // cfg.n_heads)
-    weights = cfg.n_layers * (2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 2 * cfg.dim * cfg.ffn_dim)
-    return 6 * (weights + cfg.dim * cfg.vocab_size) + 12 * cfg.n_layers * cfg.dim * seq_len
-
-
-register_family(ModelSpec(family=FAMILY, model=GeluModel, embedding="embed", blocks="blocks",
-                          head=("final_norm", "lm_head"), tp_plan=tp_plan, flops_per_token=flops_per_token,
-                          activation_bytes=activation_bytes, selective_bytes=selective_bytes))
+register_family(ModelSpec(family=FAMILY, config=GeluConfig, model=GeluModel, embedding="embed", blocks="blocks",
+                          head=("final_norm", "lm_head"), tp_plan=tp_plan, costs=GeluCosts(), check=check))
 
 STEPS = 8
 COMMON = (
     "imports=[test_family]", "model=llama_debug", f"model.family={FAMILY}", "model.name=gelu_debug",
-    "model.n_layers=4", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64", "training.global_batch_size=8",
+    "model.n_layers=4", "model.gelu_approximate=tanh", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
+    "training.global_batch_size=8",
     # Not the parity matrix's 3e-3: there this family's gradient norm jumps 5.1 -> 29.0 at step 4, and
     # AdamW's division by sqrt(v) + 1e-8 turns the gradient entries that are rounding noise (which the
     # layouts' reduction orders round apart) into whole-lr steps: 1.1e-4 (fsdp2), 1.8e-4 (tp2) with
@@ -151,6 +171,16 @@ def test_the_family_builds_with_its_own_names():
                          "vocab_size": 300, "ffn_dim": 96})
     assert {"embed.weight", "blocks.1.mlp.up.weight", "lm_head.weight"} <= {n for n, _ in model.named_parameters()}
     assert model(torch.randint(0, 300, (2, 8))).shape == (2, 8, 300)
+
+
+def test_the_family_declares_a_key_of_its_own():
+    job = compose_job(list(COMMON))
+    assert isinstance(job.model, GeluConfig) and job.model.gelu_approximate == "tanh"
+    with pytest.raises(ConfigError, match=r"model.gelu_aproximate is not a key of model.family=gelu_test; did you "
+                                          r"mean model.gelu_approximate\?"):
+        compose_job([*COMMON, "model.gelu_aproximate=none"])
+    with pytest.raises(ConfigError, match=r"model.gelu_approximate=erf must be none or tanh"):
+        check_job(compose_job([*COMMON, "model.gelu_approximate=erf"]), world=1)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from helpers import launch, read_metrics
 
 from trainer import build_model
-from trainer.config_files import load_model_config
+from trainer.models import model_config as load_model_config
 
 SMALL = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=32",
          "training.global_batch_size=4", "model.n_layers=2")

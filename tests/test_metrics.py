@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from trainer import build_model
-from trainer.config_files import load_model_config
 from trainer.hardware import cuda_peak_tflops
 from trainer.metrics import flops_per_token, format_record, peak_tflops
+from trainer.models import model_config as load_model_config
 
 
 def test_flops_per_token_is_six_times_the_matmul_weights_plus_attention():

@@ -5,8 +5,11 @@ import torch
 from helpers import spawn
 
 from trainer import build_model
+from trainer.checkpoint.state import check_same_shape
 from trainer.config import ModelConfig
-from trainer.models import count_params, init_weights, materialize
+from trainer.errors import ConfigError
+from trainer.models import count_params, init_weights, materialize, model_config
+from trainer.models.moe_config import MoEConfig
 from trainer.parallel.fsdp import apply_fsdp
 
 TINY = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "ffn_dim": 96}
@@ -24,6 +27,27 @@ def test_build_model_from_mapping_or_dataclass():
     for spec in (TINY, ModelConfig(**TINY)):
         model = build_model(spec)
         assert model(torch.randint(0, 300, (1, 5))).shape == (1, 5, 300)
+
+
+# A model config as versions before the families declared their own keys saved it (a checkpoint's
+# model_config.yaml, a run's config.yaml): every key of every family, at its unused value where unused.
+EARLIER = {**TINY, "name": "tiny", "norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "max_seq_len": 2048,
+           "tie_embeddings": False, "head_dim": None, "n_experts": 0, "top_k": 0, "aux_loss_coef": 0.0,
+           "z_loss_coef": 0.0, "capacity_factor": None, "route_score": "softmax", "route_norm": True,
+           "route_scale": 1.0, "n_shared_experts": 0, "n_expert_groups": 1, "top_groups": 1, "bias_update_speed": 0.0}
+
+
+def test_a_model_config_saved_by_an_earlier_version_reads_as_before():
+    assert model_config(EARLIER) == model_config({**TINY, "name": "tiny"})
+    moe = model_config({**EARLIER, "family": "qwen3_moe", "n_experts": 4, "top_k": 2})
+    assert isinstance(moe, MoEConfig) and (moe.n_experts, moe.top_k, moe.head_dim) == (4, 2, 16)  # null: dim / n_heads
+    check_same_shape(moe, model_config({**TINY, "family": "qwen3_moe", "n_experts": 4, "top_k": 2, "head_dim": 16}),
+                     "checkpoint.initial")
+    with pytest.raises(ConfigError, match=r"model.n_experts is not a key of model.family=llama; it is one of "
+                                          r"model.family=mixtral or qwen3_moe"):
+        model_config({**EARLIER, "n_experts": 4})  # a value that means something is not dropped
+    with pytest.raises(ConfigError, match=r"model.top_k=two must be an integer"):
+        model_config({**TINY, "family": "mixtral", "top_k": "two"})
 
 
 def test_attention_is_causal():

@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import NEEDS_TORCHAO, REPO, launch, train_metrics
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
+from trainer.overrides import job_config
 from trainer.plan import GIB, make_plan
 from trainer.plan.devices import local_device, measure_cpu
 from trainer.rules import check_job
@@ -35,7 +35,7 @@ def run_plan(capsys, *args: str) -> tuple[int, str, str]:
 
 def job_of(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+        return job_config(compose(config_name="config", overrides=list(overrides)))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -103,9 +103,9 @@ def test_the_plan_knows_float8(capsys):
     a100 = [plan("a100", *a, "training.compile=true", "training.float8.emulate=true")["tokens_per_s"]
             for a in ((), ("training.float8.enabled=true",))]
     assert a100[1] == pytest.approx(a100[0])
-    from trainer.plan import float8_share
-    assert float8_share(job_of("model=llama3_8b").model) == 1.0
-    assert 0 < float8_share(job_of("model=mixtral_8x7b").model) < 0.05
+    from trainer.models import family
+    assert family("llama").costs.float8_params(job_of("model=llama3_8b").model) == 1.0
+    assert 0 < family("mixtral").costs.float8_params(job_of("model=mixtral_8x7b").model) < 0.05
 
 
 def test_search_ranks_layouts_that_fit(capsys):

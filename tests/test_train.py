@@ -120,11 +120,13 @@ def test_precision_and_compile_rules_are_config_errors(monkeypatch):
 
 
 def test_mixture_of_experts_rules_are_config_errors():
+    import dataclasses
+
     import pytest
 
     from trainer.config import JobConfig
-    from trainer.config_files import load_model_config
     from trainer.errors import ConfigError
+    from trainer.models import model_config as load_model_config
     from trainer.rules import check_job
 
     def job_with(**settings):
@@ -137,8 +139,11 @@ def test_mixture_of_experts_rules_are_config_errors():
         return job
 
     check_job(job_with(parallel__ep=2, parallel__tp=2), world=4)
+    mixtral = dataclasses.asdict(load_model_config("mixtral_debug"))
+    with pytest.raises(ConfigError, match=r"model.n_experts is not a key of model.family=llama; it is one of "
+                                          r"model.family=mixtral or qwen3_moe"):
+        load_model_config({**mixtral, "family": "llama"})
     for settings, message in [
-        ({"model__family": "llama"}, r"model.n_experts=8 needs model.family=mixtral"),
         ({"model__top_k": 9}, r"model.top_k=9 must be between 1 and model.n_experts=8"),
         ({"model__top_k": 0}, r"model.top_k=0 must be between 1 and model.n_experts=8"),
         ({"model__capacity_factor": 0.0}, r"model.capacity_factor=0.0 must be > 0, or null for dropless routing"),

@@ -3,7 +3,7 @@ trainer/config_files.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, List, Optional
 
 
@@ -21,50 +21,35 @@ class RopeScaling:
     original_max_seq_len: int = 8192
 
 
+def shape(default):
+    """A model key that fixes what the weights are (their shapes, or what they mean): a checkpoint
+    saved with another value of it cannot be loaded, or resumed."""
+    return field(default=default, metadata={"shape": True})
+
+
 @dataclass
 class ModelConfig:
-    family: str = "llama"
+    """The keys every decoder family shares. A family adds its own keys in a subclass it registers
+    (its `config`), set the same way, model.<key>=...; see trainer/models/README.md."""
+
+    family: str = shape("llama")
     name: str = "llama_debug"
-    dim: int = 256
-    n_layers: int = 8
-    n_heads: int = 16
-    n_kv_heads: int = 8
-    head_dim: Optional[int] = None  # null: dim / n_heads (Qwen3 sets its own)
-    vocab_size: int = 2048
-    ffn_dim: int = 768
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    dim: int = shape(256)
+    n_layers: int = shape(8)
+    n_heads: int = shape(16)
+    n_kv_heads: int = shape(8)
+    vocab_size: int = shape(2048)
+    ffn_dim: int = shape(768)
+    norm_eps: float = shape(1e-5)
+    rope_theta: float = shape(10000.0)
     rope_scaling: Optional[RopeScaling] = None  # null: plain rotary embeddings
     max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    # Mixture of experts (Mixtral); zero experts means a dense model.
-    n_experts: int = 0
-    top_k: int = 0
-    aux_loss_coef: float = 0.0  # load-balancing loss (Switch/Mixtral form), averaged over layers
-    z_loss_coef: float = 0.0  # router z-loss (ST-MoE), averaged over layers
-    # null: dropless. Otherwise each expert takes at most ceil(factor * tokens * top_k / n_experts)
-    # slots per forward on each rank; the overflow is dropped and counted.
-    capacity_factor: Optional[float] = None
-    # Routing options of any MoE family (DeepSeek-V3's). route_score: softmax | sigmoid, the scores the
-    # top_k are chosen from and weighted by; route_norm: the chosen weights renormalised to sum to 1;
-    # route_scale: then multiplied by this.
-    route_score: str = "softmax"
-    route_norm: bool = True
-    route_scale: float = 1.0
-    n_shared_experts: int = 0  # experts every token runs beside its routed ones, each ffn_dim wide
-    # The experts in n_expert_groups groups; each token chooses among the experts of its top_groups
-    # groups (a group's score: the sum of its two best experts' scores).
-    n_expert_groups: int = 1
-    top_groups: int = 1
-    # Aux-loss-free balancing: a per-expert bias added to the scores for the choice only, moved by this
-    # much after each step towards the even load (0: off).
-    bias_update_speed: float = 0.0
+    tie_embeddings: bool = shape(False)
 
 
-
-def head_dim(model) -> int:
-    """The width of one attention head of a model config: model.head_dim, else dim / n_heads."""
-    return model.head_dim or model.dim // model.n_heads
+def shape_keys(model: ModelConfig) -> list[str]:
+    """The keys of `model` (its family's included) that a checkpoint must agree on."""
+    return [f.name for f in fields(model) if f.metadata.get("shape")]
 
 
 @dataclass

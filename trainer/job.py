@@ -20,8 +20,8 @@ from trainer.data import build_dataset
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError, TrainingStopped
 from trainer.fault_tolerance import check_lighthouse, group_output_dir, group_view
-from trainer.models import import_modules
 from trainer.output import OutputLock, check_writable
+from trainer.overrides import job_config
 from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
 from trainer.plan.devices import local_device
@@ -43,16 +43,17 @@ def build_datasets(job: JobConfig):
 
 def run(cfg: DictConfig) -> None:
     """Runs the job `cfg` (the composed Hydra config) on this rank."""
-    job: JobConfig = OmegaConf.to_object(cfg)
+    job = job_config(cfg)
     tokenizer = resolve_tokenizer(job.data.tokenizer, job.data.source, job.checkpoint.initial)
     if tokenizer != job.data.tokenizer and not is_bytes(tokenizer) and int(os.environ.get("RANK", "0")) == 0:
         print(f"data: data.tokenizer=auto takes the tokenizer beside checkpoint.initial: {tokenizer}", flush=True)
     job = dataclasses.replace(job, output_dir=group_output_dir(job),
                               data=dataclasses.replace(job.data, tokenizer=tokenizer))
     # The config as it runs (saved as config.yaml, compared by reruns): the tokenizer it resolved to.
+    # Its model section is the family's config whole, every key at its value, defaults included.
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["tokenizer"] = tokenizer
-    import_modules(job.imports)
+    config["model"] = OmegaConf.to_container(OmegaConf.structured(job.model))
     dims = check_config(job, world_size())
     device = resolve_device(job.device)
     checkpoint = job.checkpoint

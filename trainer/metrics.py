@@ -14,7 +14,7 @@ from trainer.models import family
 
 def flops_per_token(model, seq_len: int) -> float:
     """Training FLOPs per token of the model config `model` (its family's count)."""
-    return family(model.family).flops_per_token(model, seq_len)
+    return family(model.family).costs.flops(model, seq_len).total
 
 
 def peak_tflops(device: torch.device, setting) -> float | None:

@@ -1,15 +1,20 @@
 """The command line's overrides, checked before Hydra composes anything: a group choice that names no
 file, and a key the schema does not have (also when added with `+`, which Hydra would accept), each
-one `config error:` line with the choices or the nearest known keys. `compose_job` composes the
-checked overrides into a JobConfig outside a Hydra app (the planner, trainer-run's check)."""
+one `config error:` line with the choices or the nearest known keys (a model key the shared schema
+lacks is left to the model's family, once composed). `compose_job` composes the checked overrides
+into a JobConfig outside a Hydra app (the planner, trainer-run's check); `job_config` makes one of a
+composed config."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import typing
 
-from trainer.config import JobConfig
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import JobConfig, ModelConfig
 from trainer.config_files import BROKEN_RECIPES, CONFIG_DIR, RECIPE_DIR, register_configs, yaml_error
 from trainer.errors import ConfigError
 
@@ -51,7 +56,6 @@ def compose_job(overrides: list[str]) -> JobConfig:
     import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
@@ -59,11 +63,26 @@ def compose_job(overrides: list[str]) -> JobConfig:
     check_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+            return job_config(compose(config_name="config", overrides=overrides))
     except yaml.YAMLError as e:
         raise yaml_error(e) from None
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_composition_message(e)) from None
+
+
+def job_config(cfg: DictConfig) -> JobConfig:
+    """The composed config `cfg` as a JobConfig, its model section an instance of its family's config
+    class (trainer.models.model_config); the modules of `imports` are imported first, as a family
+    defined outside trainer/ registers there."""
+    from trainer.models import import_modules, model_config
+
+    import_modules(list(cfg.imports))
+    model = model_config(cfg.model)
+    rest = copy.deepcopy(cfg)
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in [k for k in rest.model if k not in shared]:
+        del rest.model[key]
+    return dataclasses.replace(OmegaConf.to_object(rest), model=model)
 
 
 def _composition_message(e: Exception) -> str:
@@ -75,16 +94,16 @@ def _composition_message(e: Exception) -> str:
     while cause is not None and not isinstance(cause, ValidationError):
         cause = cause.__cause__ or cause.__context__
     if cause is not None and cause.full_key:
-        return f"{cause.full_key}={cause.value} must be {_wanted(cause.full_key)}"
+        return f"{cause.full_key}={cause.value} must be {wanted(JobConfig, cause.full_key)}"
     return " ".join(str(e).split("\n")[:2]).strip()
 
 
 WANTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def _wanted(key: str) -> str:
-    """What the schema's field `key` holds, in words."""
-    hint, cls = None, JobConfig
+def wanted(cls, key: str) -> str:
+    """What the field `key` (dotted) of the dataclass `cls` holds, in words."""
+    hint = None
     for name in key.split("."):
         if cls is None:
             return "of the schema's type"
@@ -106,8 +125,9 @@ def _check_choice(group: str, name: str) -> None:
 
 
 def _check_key(key: str, keys: set[str]) -> None:
-    # A key inside a list of mappings (data.mix[0].weight) is checked up to its list.
-    if key.split("[")[0] in keys:
+    # A key inside a list of mappings (data.mix[0].weight) is checked up to its list. A model key the
+    # shared schema lacks is its family's to judge, once the config is composed (job_config).
+    if key.split("[")[0] in keys or key.startswith("model."):
         return
     near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
     hint = f"; did you mean {near[0]}?" if near else "; see `python train.py --cfg job` for every key"

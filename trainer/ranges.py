@@ -3,7 +3,7 @@ the key, its value and the range."""
 
 from __future__ import annotations
 
-from trainer.config import JobConfig, head_dim
+from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.float8 import RECIPES as FLOAT8_RECIPES
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
@@ -31,12 +31,8 @@ def _one_of(choices) -> tuple:
 RANGES = {
     **{f"model.{key}": ("must be >= 1", _at_least_one)
        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")},
-    "model.head_dim": ("must be >= 1, or null (dim / n_heads)", _at_least_one),
     "model.norm_eps": ("must be > 0", _positive),
     "model.rope_theta": ("must be > 0", _positive),
-    "model.n_experts": ("must be >= 0 (0: a dense model)", _not_negative),
-    "model.aux_loss_coef": ("must be >= 0", _not_negative),
-    "model.z_loss_coef": ("must be >= 0", _not_negative),
     "model.rope_scaling.factor": ("must be >= 1", _at_least_one),
     "model.rope_scaling.original_max_seq_len": ("must be >= 1", _at_least_one),
     "parallel.pp_microbatches": ("must be >= 1", _at_least_one),
@@ -91,18 +87,3 @@ def check_ranges(job: JobConfig) -> None:
         value = value_of(job, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} {rule}")
-    m = job.model
-    if m.head_dim is None and m.dim % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (the heads split it; or set "
-                          f"model.head_dim)")
-    if head_dim(m) % 2:
-        raise ConfigError(f"model.head_dim={m.head_dim} (a head's width: {head_dim(m)}) must be even: the rotary "
-                          f"embedding turns pairs of dimensions")
-    if not m.n_experts:
-        for key, dense in (("n_shared_experts", 0), ("n_expert_groups", 1), ("bias_update_speed", 0.0)):
-            if getattr(m, key) != dense:
-                raise ConfigError(f"model.{key}={getattr(m, key)} needs a mixture-of-experts model "
-                                  f"(model.n_experts > 0)")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
-                          f"(each key/value head serves a group of query heads)")

@@ -32,6 +32,7 @@ from trainer.errors import ConfigError
 from trainer.fault_tolerance import check_available, group_view
 from trainer.float8 import check_float8, check_float8_layers
 from trainer.models import build_model, family
+from trainer.models.moe_config import MoEConfig, n_experts
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
@@ -62,7 +63,7 @@ def check_job(job: JobConfig, world: int) -> ParallelDims:
         check_available(job.fault_tolerance)
     group = group_view(job)  # under fault tolerance, one replica group is the job's world
     dims = resolve_layout(group.parallel, job.model, group.training, world)
-    if job.model.n_experts and dims.tp_enabled and not job.parallel.sequence_parallel:
+    if n_experts(job.model) and dims.tp_enabled and not job.parallel.sequence_parallel:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs "
                           "parallel.sequence_parallel=true: each tp rank routes its own slice of the sequence")
     check_precision_and_compile(job.training, job.device)
@@ -106,7 +107,7 @@ def check_fault_tolerance(ft: FaultToleranceConfig, parallel: ParallelConfig, tr
     if training.spike.threshold is not None and training.spike.action == "rollback":
         raise ConfigError("training.spike.action=rollback cannot be combined with fault_tolerance.enabled=true: the "
                           "replica groups hold different checkpoints and would roll back apart; use skip")
-    if model.bias_update_speed > 0:
+    if isinstance(model, MoEConfig) and model.bias_update_speed > 0:
         raise ConfigError(f"model.bias_update_speed={model.bias_update_speed} cannot be combined with "
                           f"fault_tolerance.enabled=true: each replica group measures its own expert load, and their "
                           f"biases would move apart; set model.bias_update_speed=0")
@@ -189,7 +190,7 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: Train
         )
     _resolve_ep(degrees, model)
 
-    dims = ParallelDims(world_size=world_size, moe=model.n_experts > 0, **degrees)
+    dims = ParallelDims(world_size=world_size, moe=n_experts(model) > 0, **degrees)
     if training.micro_batch_size is not None:
         dims.grad_accum_steps = _grad_accum_steps(training, dims.dp)
     else:
@@ -221,9 +222,9 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: Train
 
 def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig) -> None:
     tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
-    for key in ("n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(model, key) % tp:
-            raise ConfigError(f"parallel.tp={tp} must divide model.{key}={getattr(model, key)}")
+    for key, width in family(model.family).tp_divides(model).items():
+        if width % tp:
+            raise ConfigError(f"parallel.tp={tp} must divide model.{key}={width}")
     if parallel.pp_schedule not in PP_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} is unknown; choose one of {list(PP_SCHEDULES)}")
     if pp > model.n_layers:
@@ -270,13 +271,13 @@ def _grad_accum_steps(training: TrainingConfig, dp: int) -> int:
 
 def _resolve_ep(degrees: dict, model: ModelConfig) -> None:
     """ep is taken from the dp_shard x cp ranks; -1 means all of them (1 for a dense model)."""
-    ep, ranks = degrees["ep"], degrees["dp_shard"] * degrees["cp"]
+    ep, ranks, experts = degrees["ep"], degrees["dp_shard"] * degrees["cp"], n_experts(model)
     if ep == -1:
-        degrees["ep"] = ep = ranks if model.n_experts else 1
-    if ep > 1 and not model.n_experts:
+        degrees["ep"] = ep = ranks if experts else 1
+    if ep > 1 and not experts:
         raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
-    if model.n_experts % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={model.n_experts}")
+    if experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={experts}")
     if ranks % ep:
         raise ConfigError(f"parallel.ep={ep} must divide the ranks it is taken from, dp_shard*cp={ranks} "
                           f"(dp_shard={degrees['dp_shard']}, cp={degrees['cp']})")

@@ -25,6 +25,7 @@ from trainer.loop import Trainer, resume
 from trainer.measured_memory import MemoryFigures
 from trainer.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
 from trainer.models import family
+from trainer.models.moe_config import n_experts
 from trainer.moe_upkeep import MoEUpkeep
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.dims import ParallelDims
@@ -103,8 +104,8 @@ def step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: 
         parts.append(faults)
     if gathers_in_float8(float8_of(job.training)):
         parts.append(Float8Scales(model_parts))
-    if job.model.n_experts:
-        parts.append(MoEUpkeep(model_parts, family(job.model.family), dims, job.model.n_layers, job.model.n_experts,
+    if n_experts(job.model):
+        parts.append(MoEUpkeep(model_parts, family(job.model.family), dims, job.model.n_layers, n_experts(job.model),
                                device))
     parts.append(MemoryFigures(device, model.parameters(), step, job.training.compile, watchdog.allow_slow_step))
     return parts

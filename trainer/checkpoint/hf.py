@@ -19,7 +19,7 @@ import torch
 
 from trainer.config import ModelConfig, RopeScaling
 from trainer.errors import ConfigError
-from trainer.models import tied_names
+from trainer.models import model_config, tied_names
 from trainer.models.spec import HFMapping, families, family, family_by_hf_type
 
 
@@ -72,12 +72,9 @@ def config_from_hf(path: Path) -> ModelConfig:
         vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings")), head_dim=hf.get("head_dim"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings")),
     )
-    fields |= _family_fields(spec, hf, path)
-    if fields["head_dim"] == fields["dim"] // fields["n_heads"]:
-        fields["head_dim"] = None  # the default: dim / n_heads
-    return ModelConfig(**fields)
+    return model_config(fields | _family_fields(spec, hf, path))
 
 
 def _family_fields(spec, hf: dict, path: Path) -> dict:

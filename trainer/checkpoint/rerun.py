@@ -9,16 +9,14 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.folders import MANIFEST, checkpoint_steps
-from trainer.checkpoint.state import SHAPE
-from trainer.config import CheckpointConfig
+from trainer.config import CheckpointConfig, ModelConfig, shape_keys
 from trainer.errors import ConfigError
+from trainer.models import model_config
 from trainer.optim import lr_lambda
 
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size", "training.lr",
                  "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",
                  "training.mixed_precision.")
-# The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
-SHAPE_KEYS = tuple(f"model.{name}=" for name in SHAPE)
 
 
 def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> str | None:
@@ -31,12 +29,14 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
     steps = [step for step, path in checkpoint_steps(Path(output_dir) / "checkpoints") if (path / MANIFEST).is_file()]
     if not saved_file.is_file() or not steps:
         return None
-    saved, now = _flat(OmegaConf.to_container(OmegaConf.load(saved_file))), _flat(config)
+    (saved, saved_model), (now, model) = _read(OmegaConf.to_container(OmegaConf.load(saved_file))), _read(config)
     changed = [f"{key}={saved.get(key)} -> {now.get(key)}" for key in sorted(saved.keys() | now.keys())
                if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
-    if any(key.startswith(SHAPE_KEYS) for key in changed):  # not resumable at all: no flag offered
+    # The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
+    shape = tuple(f"model.{name}=" for cfg in (saved_model, model) if cfg is not None for name in shape_keys(cfg))
+    if any(key.startswith(shape) for key in changed):  # not resumable at all: no flag offered
         raise ConfigError(f"output_dir={output_dir} holds checkpoints of another model "
-                          f"({', '.join(c for c in changed if c.startswith(SHAPE_KEYS))}), which cannot be "
+                          f"({', '.join(c for c in changed if c.startswith(shape))}), which cannot be "
                           f"resumed with this one; choose another output_dir (checkpoint.initial=... takes "
                           f"weights of the same shape only)")
     if changed and not checkpoint.allow_config_change:
@@ -57,6 +57,15 @@ def _schedule_change(saved: dict, now: dict, step: int) -> str | None:
     old, new = (lr * lr_lambda(warmup, total, floor)(step) for total in (before, after))
     return (f"schedule: training.steps {before} -> {after} re-plans the cosine decay to end at step {after}: the "
             f"learning rate after the newest checkpoint (step {step}) goes from {old:.3g} (as planned) to {new:.3g}")
+
+
+def _read(config: dict) -> tuple[dict, ModelConfig | None]:
+    """A config flattened (see _flat) with its model section whole, as this version reads it (a
+    config.yaml of an earlier one holds keys no family declares now); and its model."""
+    if "model" not in config:
+        return _flat(config), None
+    model = model_config(config["model"])
+    return _flat({**config, "model": OmegaConf.to_container(OmegaConf.structured(model))}), model
 
 
 def _flat(node, prefix: str = "") -> dict:

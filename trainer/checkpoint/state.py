@@ -29,7 +29,7 @@ from trainer.checkpoint.folders import MODEL_CONFIG, CheckpointError, SafeReader
 from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
-from trainer.config import ModelConfig, head_dim
+from trainer.config import ModelConfig, shape_keys
 from trainer.errors import ConfigError
 from trainer.float8 import plain
 from trainer.models import model_config
@@ -180,21 +180,15 @@ def saved_config(path: Path) -> ModelConfig | None:
     return model_config(OmegaConf.load(file)) if file.is_file() else None
 
 
-SHAPE = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "norm_eps",
-         "rope_theta", "n_experts", "top_k", "n_shared_experts", "tie_embeddings")
-
-
 def check_same_shape(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None:
-    """A checkpoint loads only into the same architecture: every difference is named at once, with the
-    overrides that would make this model match it."""
+    """A checkpoint loads only into the same architecture (the shape keys of both configs' families):
+    every difference is named at once, with the overrides that would make this model match it."""
     if saved is None:
         return
     differ = []
-    for name in SHAPE:
-        a, b = getattr(saved, name), getattr(ours, name)
-        if name == "head_dim":  # null is dim / n_heads
-            a, b = head_dim(saved), head_dim(ours)
-        if a != b and not (isinstance(a, float) and abs(a - b) <= 1e-9 * abs(b)):
+    for name in dict.fromkeys(shape_keys(saved) + shape_keys(ours)):
+        a, b = getattr(saved, name, None), getattr(ours, name, None)
+        if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * abs(b)):
             differ.append((name, a, b))
     if differ:
         said = ", ".join(f"model.{name}={a} (this model: {b})" for name, a, b in differ)

@@ -6,6 +6,8 @@ defined elsewhere registers itself the same way, with `register_family`, before 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import pkgutil
 import zlib
@@ -13,13 +15,15 @@ from collections.abc import Mapping
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.config import ModelConfig
-from trainer.config_files import load_model_config
+from trainer.config_files import load_model_file
 from trainer.errors import ConfigError
 from trainer.models.spec import ModelSpec, families, family, register_family
+from trainer.overrides import wanted
 from trainer.tensors import local_tensor
 
 __all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules", "init_weights",
@@ -36,13 +40,47 @@ def import_modules(names: list[str]) -> None:
 
 
 def model_config(spec: str | Mapping | ModelConfig) -> ModelConfig:
-    """A ModelConfig from a config name (configs/model/NAME.yaml), a mapping, or a ModelConfig."""
+    """A model config from a config name (configs/model/NAME.yaml), a mapping of model keys, or a
+    ModelConfig: an instance of its family's config class, every key checked against that class (a
+    key it lacks: a did-you-mean line; a value of the wrong type: the line naming it)."""
     if isinstance(spec, ModelConfig):
         return spec
-    if isinstance(spec, str):
-        return load_model_config(spec)
-    node = spec if isinstance(spec, DictConfig) else OmegaConf.create(dict(spec))
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
+    node = load_model_file(spec) if isinstance(spec, str) else spec
+    values = OmegaConf.to_container(node) if isinstance(node, DictConfig) else dict(node)
+    name = values.get("family", ModelConfig.family)
+    cls = family(name).config
+    keys = {f.name for f in dataclasses.fields(cls)}
+    for key in [k for k in values if k not in keys]:
+        if RETIRED.get(key, "no such key") == values[key]:
+            del values[key]  # a config written before the family declared its own keys
+        else:
+            raise ConfigError(_unknown_key(key, name, keys))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        value = values.get(key.split(".")[0])
+        raise ConfigError(f"model.{key}={value} must be {wanted(cls, key)}") from None
+
+
+# Keys every model config had before the families declared their own, with the value that meant
+# "not used": a saved config (a checkpoint's, a run's config.yaml) or an old config file holding
+# them at that value reads as before.
+RETIRED = {"head_dim": None, "n_experts": 0, "top_k": 0, "aux_loss_coef": 0.0, "z_loss_coef": 0.0,
+           "capacity_factor": None, "route_score": "softmax", "route_norm": True, "route_scale": 1.0,
+           "n_shared_experts": 0, "n_expert_groups": 1, "top_groups": 1, "bias_update_speed": 0.0}
+
+
+def _unknown_key(key: str, name: str, keys: set[str]) -> str:
+    """A key the family `name` does not declare: the nearest it does, or the families that have it."""
+    near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
+    if near:
+        return f"model.{key} is not a key of model.family={name}; did you mean model.{near[0]}?"
+    others = [f for f in families() if key in {k.name for k in dataclasses.fields(family(f).config)}]
+    if others:
+        return f"model.{key} is not a key of model.family={name}; it is one of model.family={' or '.join(others)}"
+    return (f"model.{key} is not a key of model.family={name}; its keys: "
+            f"{', '.join(sorted(keys - {f.name for f in dataclasses.fields(ModelConfig)}) or ['the shared ones'])}")
 
 
 def build_model(spec: str | Mapping | ModelConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:

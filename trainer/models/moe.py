@@ -27,6 +27,9 @@ from torch import nn
 from trainer.models.layers import FeedForward, swiglu
 from trainer.models.routing import Routing, choose_experts
 
+# The parameters of an MoE layer that write into the residual stream (name endings).
+RESIDUAL_OUTPUTS = ("experts.w2", "shared.w2.weight")
+
 
 class GroupedExperts(nn.Module):
     """`n_experts` SwiGLU feed-forwards with their weights stacked on a leading expert dimension."""
@@ -220,15 +223,6 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def moe_from_config(cfg) -> MoE:
-    """A model config's MoE layer. Its auxiliary losses are averaged over the layers, so their
-    coefficients do not grow with depth."""
-    routing = Routing(score=cfg.route_score, norm=cfg.route_norm, scale=cfg.route_scale, n_groups=cfg.n_expert_groups,
-                      top_groups=cfg.top_groups, bias_update_speed=cfg.bias_update_speed)
-    return MoE(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.aux_loss_coef / cfg.n_layers,
-               cfg.z_loss_coef / cfg.n_layers, cfg.capacity_factor, routing, cfg.n_shared_experts)
 
 
 @torch.no_grad()

@@ -14,35 +14,7 @@ from torch import nn
 
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
-
-
-@dataclass
-class Shapes:
-    """What one rank's blocks see in one microbatch: what a family's memory terms count from."""
-
-    tokens: int  # tokens of the microbatch on this rank (batch x seq / cp)
-    dim: int
-    ffn_dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab: int
-    tp: int
-    cp: int
-    sequence_parallel: bool
-    loss_parallel: bool
-    cp_method: str
-    act_bytes: int  # bytes per element of activations (the compute dtype)
-    n_experts: int = 0
-    top_k: int = 0
-    n_shared_experts: int = 0
-    expert_load: float = 1.0  # the slots this rank's experts take, over an even share
-    loss_chunk: int | None = None  # tokens per chunk of the output head and loss (None: all at once)
-
-
-
-# Bytes of an fp32 element.
-FP32 = 4
+from trainer.models.costs import Costs
 
 
 @dataclass(frozen=True)
@@ -61,38 +33,47 @@ class HFMapping:
     names: Callable[[ModelConfig], dict[str, str | list[str]]]
 
 
+def tp_divides(cfg: ModelConfig) -> dict[str, int]:
+    """The shared decoder's widths tensor parallel splits: heads and key/value heads, the feed-forward."""
+    return {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.ffn_dim}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything particular to one model family.
 
-    - `model`: the plain-PyTorch model class, built from a ModelConfig; it defines `init_std(name)`.
+    - `config`: its config class, ModelConfig or a dataclass subclass of it declaring the family's
+      own keys (set as model.<key>=..., checked like every key; a field made with trainer.config.shape
+      is one a checkpoint must agree on).
+    - `model`: the plain-PyTorch model class, built from its config; it defines `init_std(name)`.
       `forward(tokens, positions=None, labels=None)` accepts a stage's inputs (hidden states when it
       has no embedding) and returns hidden states when it has no head; its output projection is an
       LMHead (trainer.models.head), called with the labels: the logits without them, else the loss.
-    - `embedding`, `blocks`, `head`: module paths. The blocks live in an nn.ModuleDict keyed by their
-      index; the embedding, each block and the head (its modules together) are the pipeline and FSDP
-      units, in that order. A stage keeps some of them and the others are set to None (removed from
-      the ModuleDict), so parameter names stay those of the whole model.
+    - `embedding`, `blocks`, `head`: module paths (by default trainer.models.decoder.Decoder's). The
+      blocks live in an nn.ModuleDict keyed by their index; the embedding, each block and the head
+      (its modules together) are the pipeline and FSDP units, in that order. A stage keeps some of
+      them and the others are set to None (removed from the ModuleDict), so parameter names stay
+      those of the whole model.
     - `tp_plan(sequence_parallel, loss_parallel)`: the tensor-parallel plan, module path (fnmatch
       patterns, as torch's parallelize_module takes them) -> ParallelStyle, for the whole model; the
-      paths a pipeline stage lacks are left out when it is applied.
+      paths a pipeline stage lacks are left out when it is applied. `tp_divides(cfg)`: the keys
+      whose values tensor parallel must divide.
+    - `costs`: its FLOPs and memory terms for the plan and the metrics (trainer.models.costs.Costs).
+    - `check(cfg)`: the family's config rules (ConfigError); `hf`: its Hugging Face mapping, None if
+      it has none.
     - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
-    - `flops_per_token(cfg, seq_len)`: training FLOPs per token; `check(cfg)`: the family's config
-      rules (ConfigError); `hf`: its Hugging Face mapping, None if it has none.
-    - `activation_bytes(shapes)`, `selective_bytes(shapes, policy)`: the memory plan's terms, the bytes one block
-      saves for backward in one microbatch without checkpointing, and under selective checkpointing.
     """
 
     family: str
     model: Callable[[ModelConfig], nn.Module]
-    embedding: str
-    blocks: str
-    head: tuple[str, ...]
     tp_plan: Callable[[bool, bool], dict]
-    flops_per_token: Callable[[ModelConfig, int], float]
-    activation_bytes: Callable[[Shapes], float]
-    selective_bytes: Callable[[Shapes, str], float]
+    costs: Costs
+    config: type[ModelConfig] = ModelConfig
+    embedding: str = "tok_embeddings"
+    blocks: str = "layers"
+    head: tuple[str, ...] = ("norm", "output")
+    tp_divides: Callable[[ModelConfig], dict[str, int]] = tp_divides
     check: Callable[[ModelConfig], None] = lambda cfg: None
     hf: HFMapping | None = None
     checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None

@@ -15,15 +15,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from trainer.config import JobConfig
-from trainer.config import head_dim as model_head_dim
 from trainer.errors import ConfigError
 from trainer.metrics import flops_per_token
 from trainer.models import family
+from trainer.models.costs import FP32, Shapes
+from trainer.models.moe_config import n_experts
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
 from trainer.plan.layout import holdings
-from trainer.plan.memory import FP32, TERMS, RankMemory, Shapes, gathered_bytes_per_element, rank_memory
+from trainer.plan.memory import TERMS, RankMemory, gathered_bytes_per_element, rank_memory
 from trainer.plan.time import StepTime, step_time
 from trainer.tensors import DTYPES
 
@@ -111,18 +112,6 @@ def _advice(term: str) -> str:
 FLOAT8_EFFICIENCY = 0.6
 
 
-def float8_share(m) -> float:
-    """The share of a block's parameters in linear layers float8 converts: all but the experts'
-    (grouped GEMMs, left in the compute dtype) and the router's."""
-    head_dim = model_head_dim(m)
-    attention = 2 * m.dim * head_dim * (m.n_heads + m.n_kv_heads)
-    ffn = 3 * m.dim * m.ffn_dim
-    if not m.n_experts:
-        return 1.0
-    dense = attention + m.n_shared_experts * ffn  # the shared experts are plain linear layers
-    return dense / (dense + m.n_experts * ffn + m.dim * m.n_experts)
-
-
 def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: float = 1.0) -> Plan:
     """The plan of `job` laid out as `dims` on `device`s (run `check_job` first). `expert_load`: the
     slots the experts of the planned rank take, over an even share (a measured expert_load_ep)."""
@@ -132,12 +121,9 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     act_bytes = torch.finfo(dtype).bits // 8
     per_microbatch = t.global_batch_size // (dims.dp * dims.grad_accum_steps * dims.pp_microbatches)
     shapes = Shapes(
-        tokens=per_microbatch * t.seq_len // dims.cp, dim=m.dim, ffn_dim=m.ffn_dim,
-        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=model_head_dim(m), vocab=m.vocab_size, tp=dims.tp,
-        cp=dims.cp, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-        act_bytes=act_bytes, n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts,
-        expert_load=expert_load,
-        loss_chunk=t.loss_chunk_tokens,
+        model=m, tokens=per_microbatch * t.seq_len // dims.cp, tp=dims.tp, cp=dims.cp,
+        sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
+        act_bytes=act_bytes, expert_load=expert_load, loss_chunk=t.loss_chunk_tokens,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
     f8 = t.float8.recipe if t.float8.enabled else None
@@ -145,12 +131,13 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     share = -(-m.n_layers // t.activation_checkpoint_every) / m.n_layers if t.activation_checkpoint == "full" else 0.0
     n_stages = dims.pp * dims.pp_stages_per_rank
     stages_by_rank = holdings(job, dims)
+    costs = family(m.family).costs
     ranks = [rank_memory(
-        pp_rank, stages, family(m.family), shapes, activation_checkpoint=t.activation_checkpoint,
+        pp_rank, stages, costs, shapes, activation_checkpoint=t.activation_checkpoint,
         checkpointed_share=share, schedule=schedule, pp=dims.pp,
         n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
         param_bytes=act_bytes, has_loss=any(s.stage == n_stages - 1 for s in stages),
-        selective_policy=t.selective_policy, float8=f8, float8_share=float8_share(m),
+        selective_policy=t.selective_policy, float8=f8, float8_share=costs.float8_params(m),
     ) for pp_rank, stages in enumerate(stages_by_rank)]
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
@@ -167,40 +154,38 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
     m, t = job.model, job.training
     schedule = job.parallel.pp_schedule if dims.pp_enabled else None
     f8 = t.float8.recipe if t.float8.enabled else None
-    act_bytes = shapes.act_bytes
-    flops = flops_per_token(m, t.seq_len)
+    costs = family(m.family).costs
+    counted = costs.flops(m, t.seq_len)
+    flops = counted.total
     tokens_per_step = t.global_batch_size * t.seq_len
     # Full checkpointing runs a block's forward again (4/3 of the work: forward 1, backward 2); a
     # zero-bubble schedule's split backward runs it twice more (5/3, see memory.py). Selective
     # checkpointing recomputes element-wise work, not counted in the FLOPs, and under half_mm some
     # matmuls.
     extra = (2 if schedule in ZERO_BUBBLE else 1) * share
-    blocks_matmul = flops - 12 * m.n_layers * m.n_heads * model_head_dim(m) * t.seq_len - 6 * m.dim * m.vocab_size
     if t.activation_checkpoint == "selective" and t.selective_policy == "half_mm":
         # Every second matmul of a block runs again: about half of the blocks' matmul forward.
-        extra += 0.5 * blocks_matmul / flops
+        extra += 0.5 * counted.blocks / flops
     flops_per_rank = flops * tokens_per_step / dims.world_size * (3 + extra) / 3
     units = [u for s in busiest for u in s.units]
-    head = model_head_dim(m)
-    stream = shapes.tokens * m.dim * act_bytes
+    stream = shapes.tokens * m.dim * shapes.act_bytes
     peak_tflops = device.peak_tflops(dtype)
     compute_tflops = peak_tflops
     if f8 is not None and not t.float8.emulate and device.fp8_tflops:
         # The blocks' linear layers at the float8 rate, the rest (attention's scores, the head) not.
-        in_float8 = float8_share(m) * blocks_matmul / flops
+        in_float8 = counted.float8 / flops
         compute_tflops = 1 / ((1 - in_float8) / peak_tflops + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
-    gathered_per_element = gathered_bytes_per_element(act_bytes, float8_share(m), f8)
+    gathered_per_element = gathered_bytes_per_element(shapes.act_bytes, costs.float8_params(m), f8)
     return step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,
         grad_bytes=sum(u.gathered for u in units) * FP32,
         sharded_grad_bytes=sum(u.sharded for u in units) * FP32,
-        act_stream_bytes=stream, kv_bytes=2 * shapes.tokens * m.n_kv_heads * head // dims.tp * act_bytes,
-        expert_bytes=shapes.tokens * m.top_k * m.dim * act_bytes,
+        act_stream_bytes=stream, kv_bytes=costs.context_bytes(shapes), expert_bytes=costs.expert_bytes(shapes),
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
         microbatches_per_rank=dims.grad_accum_steps * dims.pp_microbatches * len(busiest),
         recompute=share, selective=t.activation_checkpoint == "selective", schedule=schedule,
         per_rank_stages=dims.pp_stages_per_rank,
         # Under pipeline parallel a step's accumulation steps are microbatches of one schedule run.
-        n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, moe=m.n_experts > 0,
+        n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, moe=n_experts(m) > 0,
     )

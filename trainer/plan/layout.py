@@ -42,7 +42,11 @@ class StageHoldings:
     stage: int
     modules: list[str]  # the family's pipeline units (embedding, blocks, head) this stage holds
     units: list[Unit]
-    layers: int  # how many of them are blocks
+    blocks: list[int]  # the indices of the blocks among them
+
+    @property
+    def layers(self) -> int:
+        return len(self.blocks)
 
 
 @contextlib.contextmanager
@@ -90,7 +94,8 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
             units = [Unit(u.name.replace(block, layer, 1), u.sharded, u.gathered)
                      for layer in layers for u in units if spec.is_block(u.name)] + [
                      u for u in units if not spec.is_block(u.name)]
-            by_stage[stage] = StageHoldings(stage, modules, units, len(layers))
+            blocks = [int(name.rsplit(".", 1)[1]) for name in layers]
+            by_stage[stage] = StageHoldings(stage, modules, units, blocks)
     return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
             for r in range(dims.pp)]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.models.spec import FP32, ModelSpec, Shapes
+from trainer.models.costs import FP32, Costs, Shapes
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE
 from trainer.plan.layout import StageHoldings
 
-__all__ = ["FP32", "RankMemory", "Shapes", "rank_memory"]
+__all__ = ["RankMemory", "rank_memory"]
 
 
 @dataclass
@@ -48,8 +48,7 @@ def gathered_bytes_per_element(param_bytes: int, float8_share: float, float8: st
 
 def checkpointed_layer_bytes(s: Shapes) -> float:
     """Bytes a fully checkpointed block keeps: its input."""
-    stream = s.tokens // s.tp if s.sequence_parallel and s.tp > 1 else s.tokens
-    return stream * s.dim * s.act_bytes
+    return s.stream_tokens * s.model.dim * s.act_bytes
 
 
 def loss_bytes(s: Shapes, in_flight: int = 1) -> float:
@@ -61,17 +60,17 @@ def loss_bytes(s: Shapes, in_flight: int = 1) -> float:
     backward scales the gradients in. Plain (no chunks): the logits, their float copy, log-softmax's
     output and the gradient it returns, and the head's input.
     """
-    stream = s.tokens // s.tp if s.sequence_parallel and s.tp > 1 else s.tokens
-    vocab = s.vocab // s.tp if s.loss_parallel and s.tp > 1 else s.vocab
-    norm_input = stream * s.dim * s.act_bytes
+    dim, vocab = s.model.dim, s.model.vocab_size
+    vocab = vocab // s.tp if s.loss_parallel and s.tp > 1 else vocab
+    norm_input = s.stream_tokens * dim * s.act_bytes
     if s.loss_chunk is None and not (s.loss_parallel and s.tp > 1):
         logits = s.tokens * vocab
         copies = logits * (s.act_bytes + (FP32 if s.act_bytes != FP32 else 0) + 2 * FP32)
-        return norm_input + copies + s.tokens * s.dim * s.act_bytes
+        return norm_input + copies + s.tokens * dim * s.act_bytes
     chunk = min(s.loss_chunk or s.tokens, s.tokens)
-    held = s.tokens * s.dim * s.act_bytes + vocab * s.dim * FP32
+    held = s.tokens * dim * s.act_bytes + vocab * dim * FP32
     forward = chunk * vocab * (FP32 + (s.act_bytes if s.act_bytes != FP32 else 0))
-    backward = vocab * s.dim * s.act_bytes + 2 * s.tokens * s.dim * FP32
+    backward = vocab * dim * s.act_bytes + 2 * s.tokens * dim * FP32
     return norm_input + in_flight * held + max(forward, backward)
 
 
@@ -93,28 +92,32 @@ def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank
     return min(total, (per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
 
 
-def saved_activations(spec: ModelSpec, s: Shapes, activation_checkpoint: str, checkpointed_share: float,
-                      selective_policy: str, schedule: str | None, blocks_in_flight: float) -> float:
-    """The bytes the blocks keep for backward at its start: `blocks_in_flight` blocks' forwards
-    (the stage's layers times its microbatches in flight), under the checkpointing mode."""
-    per_layer = spec.activation_bytes(s)
+def saved_activations(costs: Costs, s: Shapes, blocks: list[int], n_stages: int, in_flight: int,
+                      activation_checkpoint: str, checkpointed_share: float, selective_policy: str,
+                      schedule: str | None) -> float:
+    """The bytes the blocks keep for backward at its start: `in_flight` stage-microbatches' forwards,
+    each of a stage of the rank (which holds `blocks` over its `n_stages` stages), under the
+    checkpointing mode."""
+    saved = [costs.activation_bytes(s, i) for i in blocks]
     if activation_checkpoint == "none":
-        return blocks_in_flight * per_layer
+        return in_flight * sum(saved) / n_stages
     if schedule in ZERO_BUBBLE:  # (full; selective is refused with these schedules)
         # Measured (torch 2.13): a zero-bubble schedule's split backward recomputes a checkpointed
         # stage for the input gradients and again for the deferred weight gradients, holding both:
         # about twice the activations of the same schedule without checkpointing.
-        return (1 + checkpointed_share) * blocks_in_flight * per_layer
+        return (1 + checkpointed_share) * in_flight * sum(saved) / n_stages
     if activation_checkpoint == "selective":  # a block's recompute adds what it did not keep
-        kept = spec.selective_bytes(s, selective_policy)
-        share, recomputed = 1.0, per_layer - kept
+        kept = [costs.selective_bytes(s, i, selective_policy) for i in blocks]
+        share = 1.0
+        recomputed = max((a - k for a, k in zip(saved, kept)), default=0.0)
     else:
-        kept, share, recomputed = checkpointed_layer_bytes(s), checkpointed_share, per_layer
-    per_block = share * kept + (1 - share) * per_layer
-    return blocks_in_flight * per_block + recomputed  # one block recomputed at a time
+        kept, share = [checkpointed_layer_bytes(s)] * len(blocks), checkpointed_share
+        recomputed = max(saved, default=0.0)
+    per_stage = (share * sum(kept) + (1 - share) * sum(saved)) / n_stages
+    return in_flight * per_stage + recomputed  # one block recomputed at a time
 
 
-def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: Shapes, *, activation_checkpoint: str,
+def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
                 param_bytes: int, has_loss: bool, selective_policy: str = "half_mm",
                 float8: str | None = None, float8_share: float = 0.0) -> RankMemory:
@@ -139,11 +142,10 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
         blocks = [u.gathered * per_element[u.name] for u in units if u.name not in edges]
         gathered = kept + sum(blocks[:2])
 
-    per_layer = spec.activation_bytes(s)
+    blocks = [i for stage in stages for i in stage.blocks]
     in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
-    stage_layers = sum(stage.layers for stage in stages) / len(stages)  # activations of one stage-microbatch
-    saved = saved_activations(spec, s, activation_checkpoint, checkpointed_share, selective_policy, schedule,
-                              in_flight * stage_layers)
+    saved = saved_activations(costs, s, blocks, len(stages), in_flight, activation_checkpoint, checkpointed_share,
+                              selective_policy, schedule)
     # gpipe runs every forward before any backward; the other schedules run the loss stage's backward
     # right after its forward.
     loss_in_flight = n_microbatches if schedule == "gpipe" else 1
@@ -156,7 +158,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
     # forward is recomputed.
     buffers = 2 * largest_unit * FP32
     if activation_checkpoint == "none":
-        buffers = max(0.0, buffers - per_layer)
+        buffers = max(0.0, buffers - min((costs.activation_bytes(s, i) for i in blocks), default=0.0))
     if float8 is not None:
         # The float8 copies of the computing unit's weights (gathered in high precision, then cast;
         # under tensorwise a transposed copy for backward), one byte an element.
@@ -165,7 +167,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], spec: ModelSpec, s: S
         # Stage inputs received and their gradients, for each stage-microbatch in flight; the first
         # stage's input is token ids.
         receiving = sum(1 for stage in stages if stage.stage != 0) / len(stages)
-        buffers += 2 * receiving * in_flight * s.tokens * s.dim * s.act_bytes
+        buffers += 2 * receiving * in_flight * s.tokens * s.model.dim * s.act_bytes
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
 
     start_of_backward = params + optimizer + gathered + activations + buffers + held_grads

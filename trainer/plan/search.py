@@ -14,6 +14,7 @@ from collections import Counter
 
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
+from trainer.models.moe_config import n_experts
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.plan import GIB, Plan, make_plan
 from trainer.plan.devices import Device
@@ -36,7 +37,7 @@ def candidates(job: JobConfig, gpus: int, device: Device):
                 for dp_replicate in _powers_of_two(dp):
                     schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
                     for schedule, per_rank in schedules:
-                        for ep in _powers_of_two(m.n_experts) if m.n_experts else [1]:
+                        for ep in _powers_of_two(n_experts(m)) if n_experts(m) else [1]:
                             for ac in AC_MODES:
                                 overrides = {"parallel.tp": tp, "parallel.cp": cp, "parallel.pp": pp,
                                              "parallel.dp_replicate": dp_replicate,

@@ -1,0 +1,10 @@
+"""Mixtral's tensor-parallel plan: the shared blocks' (trainer/models/tp_plans.py)."""
+
+from __future__ import annotations
+
+from trainer.models.tp_plans import attention_plan, edge_plan, moe_plan
+
+
+def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
+    return {**edge_plan(sequence_parallel, loss_parallel), **attention_plan(sequence_parallel),
+            **moe_plan(sequence_parallel)}
