@@ -107,7 +107,7 @@ def test_llama_3_1_rotary_scaling_composes_and_bad_values_are_config_errors():
     check_model(model)
     scaling = model.rope_scaling
     assert (scaling.factor, scaling.original_max_seq_len, model.max_seq_len) == (32.0, 8192, 131072)
-    for override, message in (("type=yarn", "model.rope_scaling.type=yarn is not supported"),
+    for override, message in (("type=ntk", "model.rope_scaling.type=ntk is not supported"),
                               ("low_freq_factor=4.0", "low_freq_factor=4.0 must be > 0 and below high_freq_factor"),
                               ("factor=0.5", "model.rope_scaling.factor=0.5 must be >= 1")):
         job = job_config(composed("model=llama3_2_1b", f"model.rope_scaling.{override}"))

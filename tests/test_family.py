@@ -101,7 +101,7 @@ class GeluModel(nn.Module):
         return 0.02 / math.sqrt(2 * self.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
 
 
-def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
+def tp_plan(cfg: GeluConfig, sequence_parallel: bool, loss_parallel: bool) -> dict:
     between = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel() if sequence_parallel else ReplicateParameters()
     return {

@@ -148,8 +148,11 @@ def test_rotary_scaling_read_from_either_form_and_refused_when_unknown(tmp_path)
     old |= {"rope_theta": 5000.0, "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}
     (tmp_path / "config.json").write_text(json.dumps(old))
     assert config_from_hf(tmp_path).rope_scaling == scaling and config_from_hf(tmp_path).rope_theta == 5000.0
+    (tmp_path / "config.json").write_text(json.dumps(old | {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
+    with pytest.raises(ConfigError, match=r"rope type longrope is not supported \(default, llama3, yarn\)"):
+        config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(old | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(ConfigError, match="rope type yarn is not supported"):
+    with pytest.raises(ConfigError, match="rope type yarn needs original_max_position_embeddings"):
         config_from_hf(tmp_path)
 
 

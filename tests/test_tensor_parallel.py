@@ -18,7 +18,7 @@ def _tp2_fsdp2(rank, world_size, loss_parallel):
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=world_size)
     dims.build_mesh("cpu")
     model = build_model("llama_debug", device="meta")
-    parallelize(model, family("llama"), dims, ParallelOptions(loss_parallel=loss_parallel))
+    parallelize(model, family("llama"), dims, ParallelOptions(loss_parallel=loss_parallel), model.config)
     materialize(model, "cpu")
     init_weights(model, seed=0)
     set_loss_chunk(model, 5)  # 32 tokens: six chunks and a short one

@@ -84,7 +84,7 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str], de
     keep_modules(part, spec.pipeline_units(options.model.n_layers), modules)
     if options.float8 is not None:
         convert_float8(part, options.float8)
-    parallelize(part, spec, dims, options.parallel)
+    parallelize(part, spec, dims, options.parallel, options.model)
     if torch.device(device).type != "meta":
         materialize(part, device)
         init_weights(part, options.seed)
@@ -100,13 +100,14 @@ def build_model_parts(options: BuildOptions, dims: ParallelDims,
     return [build_part(options, dims, options.stage_modules[s], device) for s in stages], stages
 
 
-def one_block(options: BuildOptions, modules: list[str]) -> tuple[BuildOptions, list[str]]:
-    """Options and stage modules for a stand-in of `modules` with one block (blocks are alike: the
-    memory plan builds one and counts it for each), compiled and checkpointed nowhere."""
+def one_block(options: BuildOptions, modules: list[str], index: int = 0) -> tuple[BuildOptions, list[str]]:
+    """Options and stage modules for a stand-in of `modules` with one block, block `index` (blocks of
+    one kind are alike: the memory plan builds one of each kind and counts it for each), compiled and
+    checkpointed nowhere."""
     spec = family(options.model.family)
-    kept = [spec.block_name(0), *(name for name in modules if not spec.is_block(name))]
+    kept = [spec.block_name(index), *(name for name in modules if not spec.is_block(name))]
     parallel = dataclasses.replace(options.parallel, activation_checkpoint="none", compile=False,
                                    param_dtype=torch.float32, reduce_dtype=torch.float32,
                                    float8_all_gather=False, float8_tp=False)
-    model = dataclasses.replace(options.model, n_layers=1)
+    model = dataclasses.replace(options.model, n_layers=index + 1)
     return dataclasses.replace(options, model=model, parallel=parallel, stage_modules=[kept], float8=None), kept

@@ -9,16 +9,25 @@ from typing import Any, List, Optional
 
 @dataclass
 class RopeScaling:
-    """Llama 3.1's rotary frequency scaling (Hugging Face's rope_type llama3), for contexts beyond
-    the one pretrained: rotary wavelengths longer than original_max_seq_len / low_freq_factor are
-    stretched by `factor`, those shorter than original_max_seq_len / high_freq_factor are kept, and
-    the ones between are blended."""
+    """Rotary frequency scaling, for contexts beyond the one pretrained (Hugging Face's rope_type).
 
-    type: str = "llama3"
+    llama3 (Llama 3.1): rotary wavelengths longer than original_max_seq_len / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_seq_len / high_freq_factor are kept, and
+    the ones between are blended. yarn (DeepSeek-V3, Qwen3's long context): the frequencies that turn
+    fewer than beta_slow times over original_max_seq_len are divided by `factor`, those that turn more
+    than beta_fast times kept, a linear ramp between; cos and sin are scaled by an attention factor
+    from `factor`, `mscale` and `mscale_all_dim` (which a family's attention may also apply to its
+    softmax scale, as DeepSeek's does)."""
+
+    type: str = "llama3"  # llama3 | yarn
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 def shape(default):

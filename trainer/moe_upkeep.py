@@ -15,9 +15,9 @@ from trainer.parts import StepPart
 
 
 class MoEUpkeep(StepPart):
-    def __init__(self, parts: list, spec: ModelSpec, dims: ParallelDims, n_layers: int, n_experts: int, device):
+    def __init__(self, parts: list, spec: ModelSpec, dims: ParallelDims, layers: list[int], n_experts: int, device):
         self.parts, self.spec, self.dims = parts, spec, dims
-        self.stats = MoEStats(n_layers, n_experts, device, dims.ep)
+        self.stats = MoEStats(layers, n_experts, device, dims.ep)
 
     def after_backward(self, step: int) -> None:
         sum_grads_over_tp(self.parts, self.dims)
@@ -33,8 +33,9 @@ class MoEUpkeep(StepPart):
 class MoEStats:
     """The MoE layers' routing statistics on this rank, summed over steps until reported."""
 
-    def __init__(self, n_layers: int, n_experts: int, device, ep: int = 1):
-        self.load = torch.zeros(n_layers, n_experts, device=device)  # slots routed per (layer, expert)
+    def __init__(self, layers: list[int], n_experts: int, device, ep: int = 1):
+        self.rows = {layer: row for row, layer in enumerate(layers)}  # the blocks with an MoE layer, by index
+        self.load = torch.zeros(len(layers), n_experts, device=device)  # slots routed per (MoE layer, expert)
         self.ep = ep  # expert-parallel ranks, each holding a contiguous block of the experts
         self.totals = torch.zeros(2, device=device)  # load-balancing loss, dropped slots
         self.steps = 0
@@ -46,7 +47,7 @@ class MoEStats:
             for index, block in spec.block_modules(part).items():
                 for layer in moe_layers(block):
                     for routed, balance, dropped in layer.routing_records[-microbatches:]:
-                        self.load[int(index)] += routed
+                        self.load[self.rows[int(index)]] += routed
                         self.totals += torch.stack([balance / microbatches, dropped])
                     layer.routing_records.clear()
         self.steps += 1

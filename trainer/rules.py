@@ -122,9 +122,13 @@ def check_model(model: ModelConfig) -> None:
     scaling = model.rope_scaling
     if scaling is None:
         return
-    if scaling.type != "llama3":
-        raise ConfigError(f"model.rope_scaling.type={scaling.type} is not supported; use llama3, or rope_scaling=null")
-    if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+    if scaling.type not in ("llama3", "yarn"):
+        raise ConfigError(f"model.rope_scaling.type={scaling.type} is not supported; use llama3 or yarn, or "
+                          f"rope_scaling=null")
+    if scaling.type == "yarn" and not 0 < scaling.beta_slow < scaling.beta_fast:
+        raise ConfigError(f"model.rope_scaling: beta_slow={scaling.beta_slow} must be > 0 and below "
+                          f"beta_fast={scaling.beta_fast}")
+    if scaling.type == "llama3" and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
         raise ConfigError(f"model.rope_scaling: low_freq_factor={scaling.low_freq_factor} must be > 0 and below "
                           f"high_freq_factor={scaling.high_freq_factor}")
 

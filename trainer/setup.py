@@ -105,8 +105,8 @@ def step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: 
     if gathers_in_float8(float8_of(job.training)):
         parts.append(Float8Scales(model_parts))
     if n_experts(job.model):
-        parts.append(MoEUpkeep(model_parts, family(job.model.family), dims, job.model.n_layers, n_experts(job.model),
-                               device))
+        parts.append(MoEUpkeep(model_parts, family(job.model.family), dims, job.model.moe_layers(),
+                               n_experts(job.model), device))
     parts.append(MemoryFigures(device, model.parameters(), step, job.training.compile, watchdog.allow_slow_step))
     return parts
 

@@ -87,18 +87,33 @@ def _family_fields(spec, hf: dict, path: Path) -> dict:
         raise ConfigError(f"{path}/{e}") from None
 
 
+# Our RopeScaling fields -> Hugging Face's rope_parameters keys, per rope type (without a default: required).
+ROPE_KEYS = {
+    "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+               "original_max_seq_len": "original_max_position_embeddings"},
+    "yarn": {"factor": "factor", "original_max_seq_len": "original_max_position_embeddings", "beta_fast": "beta_fast",
+             "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"},
+}
+# What a missing or null YaRN key means to transformers.
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
 def _rope_scaling_from_hf(rope: dict, path: Path) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ConfigError(f"{path}/config.json: rope type {kind} is not supported (default, llama3)")
-    try:
-        return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                           high_freq_factor=float(rope["high_freq_factor"]),
-                           original_max_seq_len=int(rope["original_max_position_embeddings"]))
-    except KeyError as e:
-        raise ConfigError(f"{path}/config.json: rope type llama3 needs {e.args[0]}") from None
+    if kind not in ROPE_KEYS:
+        raise ConfigError(f"{path}/config.json: rope type {kind} is not supported (default, {', '.join(ROPE_KEYS)})")
+    if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        raise ConfigError(f"{path}/config.json: rope type {kind} with attention_factor or truncate=false is not "
+                          f"supported")
+    fields = {}
+    for ours, theirs in ROPE_KEYS[kind].items():
+        value = rope.get(theirs)
+        if value is None and ours not in YARN_DEFAULTS:
+            raise ConfigError(f"{path}/config.json: rope type {kind} needs {theirs}")
+        fields[ours] = YARN_DEFAULTS[ours] if value is None else value
+    return RopeScaling(type=kind, **fields)
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:
@@ -106,9 +121,8 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     r = cfg.rope_scaling
     if r is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": r.factor,
-            "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
-            "original_max_position_embeddings": r.original_max_seq_len}
+    return {"rope_type": r.type, "rope_theta": cfg.rope_theta,
+            **{theirs: getattr(r, ours) for ours, theirs in ROPE_KEYS[r.type].items()}}
 
 
 def hf_mapping(cfg: ModelConfig) -> HFMapping:

@@ -1,7 +1,7 @@
 """Attention kernels, per device and with no knowledge of meshes: softmax(q k^T / sqrt(d)) v of a
-block of queries [batch, heads, rows, d] against a block of keys and values [batch, kv_heads, cols, d]
-(grouped-query: heads a multiple of kv_heads), causal or not, optionally under a `Mask` (keys by
-global index, within documents).
+block of queries [batch, heads, rows, d] against a block of keys [batch, kv_heads, cols, d] and values
+[batch, kv_heads, cols, dv] (grouped-query: heads a multiple of kv_heads; values may be narrower, as
+MLA's), causal or not, optionally under a `Mask` (keys by global index, within documents).
 
 - `attention`: the output, differentiable. The model's full attention and the all-gather
   context-parallel method call it.
@@ -76,7 +76,7 @@ def attention(q, k, v, causal: bool = True, mask: Mask | None = None) -> torch.T
         return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, is_causal=causal and mask is None,
                                               enable_gqa=gqa)
     if name == "flex":
-        return _flex(q, k, v, causal, mask)
+        return _flex(q, k, _widened(v, q.shape[-1]), causal, mask)[..., :v.shape[-1]]
     return _Attention.apply(q, k, v, causal, mask, name)
 
 
@@ -84,13 +84,38 @@ def block_forward(q, k, v, causal: bool, mask: Mask | None = None) -> tuple[torc
     """The output [b, heads, rows, d] and its float32 log-sum-exp [b, heads, rows]. A row that sees
     no key gets output 0 and log-sum-exp -inf: no weight when blocks are merged."""
     name = kernel(q.device.type, "block" if mask is None else "masked block")
-    return FORWARD[name](q, k, v, causal, mask)
+    return _forward(name, q, k, v, causal, mask)
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, mask: Mask | None = None):
     """dq, dk, dv of one block, from the final output and log-sum-exp of the attention it is part of."""
     name = kernel(q.device.type, "block" if mask is None else "masked block")
-    return BACKWARD[name](dout.contiguous(), q, k, v, out, lse, causal, mask)
+    return _backward(name, dout.contiguous(), q, k, v, out, lse, causal, mask)
+
+
+def _forward(name: str, q, k, v, causal, mask):
+    """FORWARD[name]. The fused kernels want values as wide as queries and keys: narrower ones (MLA's)
+    are padded with zeros, which adds zero columns to the output, cut off (exact)."""
+    width = v.shape[-1]
+    if name == "math" or width == q.shape[-1]:
+        return FORWARD[name](q, k, v, causal, mask)
+    out, lse = FORWARD[name](q, k, _widened(v, q.shape[-1]), causal, mask)
+    return out[..., :width], lse
+
+
+def _backward(name: str, dout, q, k, v, out, lse, causal, mask):
+    """BACKWARD[name], narrower values padded as in _forward: the zero columns of the output and its
+    gradient add nothing to dq and dk, and their part of dv is cut off."""
+    width = v.shape[-1]
+    if name == "math" or width == q.shape[-1]:
+        return BACKWARD[name](dout, q, k, v, out, lse, causal, mask)
+    wide = q.shape[-1]
+    dq, dk, dv = BACKWARD[name](_widened(dout, wide), q, k, _widened(v, wide), _widened(out, wide), lse, causal, mask)
+    return dq, dk, dv[..., :width]
+
+
+def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 class _Attention(torch.autograd.Function):
@@ -98,7 +123,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, mask, name):
-        out, lse = FORWARD[name](q, k, v, causal, mask)
+        out, lse = _forward(name, q, k, v, causal, mask)
         out = out.to(q.dtype)
         ctx.causal, ctx.mask, ctx.name = causal, mask, name
         ctx.save_for_backward(q, k, v, out, lse)
@@ -107,7 +132,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = BACKWARD[ctx.name](dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.mask)
+        grads = _backward(ctx.name, dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.mask)
         return *(g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None
 
 

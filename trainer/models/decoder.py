@@ -58,51 +58,88 @@ def check_heads(cfg: ModelConfig) -> None:
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
-    """The rotary angular frequencies [head_dim / 2], with Llama 3.1's scaling if given (a
-    `RopeScaling`): low frequencies (long wavelengths) divided by its factor, high ones kept, a
-    smooth blend between."""
+    """The rotary angular frequencies [head_dim / 2], scaled as `scaling` (a `RopeScaling`) says."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling is None:
         return freqs
-    # Where each wavelength lies between the high- and the low-frequency bound: 1 at or below the
-    # first (kept), 0 at or above the second (divided by the factor).
+    if scaling.type == "yarn":
+        return _yarn(freqs, head_dim, theta, scaling)
+    # Llama 3.1: where each wavelength lies between the high- and the low-frequency bound: 1 at or
+    # below the first (kept), 0 at or above the second (divided by the factor).
     wavelengths_per_context = scaling.original_max_seq_len * freqs / (2 * math.pi)
     kept = ((wavelengths_per_context - scaling.low_freq_factor)
             / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
     return kept * freqs + (1 - kept) * freqs / scaling.factor
 
 
-def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [batch, seq] -> cos, sin [batch, seq, head_dim]."""
+def _yarn(freqs: torch.Tensor, head_dim: int, theta: float, scaling) -> torch.Tensor:
+    """YaRN: frequencies kept above the dimension that turns beta_fast times over the original
+    context, divided by the factor below the one that turns beta_slow times, a linear ramp between."""
+    def dimension(turns: float) -> float:  # the (fractional) dimension turning `turns` times
+        return head_dim * math.log(scaling.original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dimension(scaling.beta_fast)), 0)
+    high = min(math.ceil(dimension(scaling.beta_slow)), head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=freqs.device) - low) / (high - low)).clamp(0, 1)
+    return freqs / scaling.factor * ramp + freqs * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` times the original one."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, 1 otherwise."""
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor,
+                 factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [batch, seq] -> cos, sin [batch, seq, head_dim], times `factor` (rope_attention_factor)."""
     angles = positions[..., None].float() * freqs
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; cos, sin: [batch, seq, head_dim] (both halves alike).
 
     Each pair (x[i], x[i + head_dim/2]) turns by its angle, as a complex product in float32 (fewer,
     cheaper kernels than cat, neg and four products; no bf16 rounding of cos and sin). Backward
-    turns the gradient back by the same angle, so nothing but cos and sin is saved."""
-    return _Rotate.apply(x, cos, sin)
+    turns the gradient back by the same angle, so nothing but cos and sin is saved. `interleaved`
+    (DeepSeek's weights): the pairs are (x[2i], x[2i + 1]), and the result is laid out as the
+    half-split one (a permutation queries and keys share, so their products are the same)."""
+    return _Rotate.apply(x, cos, sin, interleaved)
 
 
 class _Rotate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, interleaved):
         ctx.save_for_backward(cos, sin)
-        return _turn(x, cos, sin)
+        ctx.interleaved = interleaved
+        return _turn(x, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _turn(grad, cos, -sin), None, None
+        grad = _turn(grad, cos, -sin, False)
+        if ctx.interleaved:  # back to the input's layout: the halves' elements at even and odd places
+            grad = grad.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        return grad, None, None, None
 
 
-def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     half = x.shape[-1] // 2
-    pairs = torch.complex(x[..., :half].float(), x[..., half:].float())
+    first, second = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    pairs = torch.complex(first.float(), second.float())
     turn = torch.complex(cos[:, :, None, :half], sin[:, :, None, :half])
     return torch.view_as_real(pairs * turn).transpose(-1, -2).flatten(-2).to(x.dtype)
 
@@ -139,7 +176,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
-        cos, sin = rope_cos_sin(positions, freqs)
+        cos, sin = rope_cos_sin(positions, freqs, rope_attention_factor(self.rope_scaling))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.sdpa(*(t.transpose(1, 2) for t in (q, k, v)), positions)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -111,7 +111,7 @@ class MoE(nn.Module):
         # Shared experts: one SwiGLU as wide as all of them, on every token.
         self.shared = FeedForward(dim, n_shared_experts * ffn_dim) if n_shared_experts else None
         # Aux-loss-free balancing's bias: training state (checkpointed), moved by update_expert_biases.
-        if routing.bias_update_speed > 0:
+        if routing.bias or routing.bias_update_speed > 0:
             self.register_buffer("expert_bias", torch.zeros(n_experts))
         else:
             self.expert_bias = None
@@ -232,7 +232,7 @@ def update_expert_biases(parts: list[nn.Module], microbatches: int, skip: torch.
     for one that took fewer. The load is the whole batch's (each layer's last `microbatches`
     records, summed over the ranks that route different tokens in one all-reduce for every layer),
     so every rank moves its copy alike. Nothing moves on a skipped step (`skip` 1.0). No host sync."""
-    layers = [layer for part in parts for layer in moe_layers(part) if layer.expert_bias is not None]
+    layers = [layer for part in parts for layer in moe_layers(part) if layer.routing.bias_update_speed > 0]
     if not layers:
         return
     load = torch.stack([sum(record[0] for record in layer.routing_records[-microbatches:]) for layer in layers])

@@ -38,6 +38,12 @@ class MoEConfig:
     # Aux-loss-free balancing: a per-expert bias added to the scores for the choice only, moved by this
     # much after each step towards the even load (0: off).
     bias_update_speed: float = 0.0
+    # The bias also where it does not move (DeepSeek-V3's e_score_correction_bias, kept as trained).
+    expert_bias: bool = shape(False)
+
+    def moe_layers(self) -> list[int]:
+        """The blocks with an MoE layer (by index): all of them, unless a family says otherwise."""
+        return list(range(self.n_layers))
 
 
 def n_experts(cfg: ModelConfig) -> int:
@@ -72,7 +78,7 @@ def check_moe(cfg: MoEConfig) -> None:
 
 # The routing transformers' Mixtral and Qwen3-MoE compute: any other has no Hugging Face form there.
 HF_ROUTING = {"route_score": "softmax", "route_scale": 1.0, "n_shared_experts": 0, "n_expert_groups": 1,
-              "bias_update_speed": 0.0}
+              "bias_update_speed": 0.0, "expert_bias": False}
 
 
 def check_hf_routing(cfg: MoEConfig, architecture: str) -> None:
@@ -86,6 +92,7 @@ def moe_from_config(cfg: MoEConfig) -> MoE:
     """A model config's MoE layer. Its auxiliary losses are averaged over the layers, so their
     coefficients do not grow with depth."""
     routing = Routing(score=cfg.route_score, norm=cfg.route_norm, scale=cfg.route_scale, n_groups=cfg.n_expert_groups,
-                      top_groups=cfg.top_groups, bias_update_speed=cfg.bias_update_speed)
-    return MoE(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.aux_loss_coef / cfg.n_layers,
-               cfg.z_loss_coef / cfg.n_layers, cfg.capacity_factor, routing, cfg.n_shared_experts)
+                      top_groups=cfg.top_groups, bias_update_speed=cfg.bias_update_speed, bias=cfg.expert_bias)
+    layers = len(cfg.moe_layers())
+    return MoE(cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.aux_loss_coef / layers,
+               cfg.z_loss_coef / layers, cfg.capacity_factor, routing, cfg.n_shared_experts)

@@ -14,9 +14,9 @@ class Routing:
     """How a token's experts are chosen and weighted (the defaults are Mixtral's).
 
     `score`: softmax | sigmoid of the router's logits; the top_k are chosen from the scores plus
-    the expert bias (when `bias_update_speed` > 0) among the experts of the token's `top_groups`
-    best groups of `n_groups` (a group's score: its two best experts'); the chosen experts'
-    scores, renormalised to sum to 1 if `norm`, times `scale`, weight their outputs."""
+    the expert bias (when `bias`, or `bias_update_speed` > 0: it moves after each step) among the
+    experts of the token's `top_groups` best groups of `n_groups` (a group's score: its two best
+    experts'); the chosen experts' scores, renormalised to sum to 1 if `norm`, times `scale`, weight their outputs."""
 
     score: str = "softmax"
     norm: bool = True
@@ -24,6 +24,7 @@ class Routing:
     n_groups: int = 1
     top_groups: int = 1
     bias_update_speed: float = 0.0
+    bias: bool = False
 
 
 def choose_experts(logits: torch.Tensor, r: Routing, top_k: int,

@@ -54,20 +54,22 @@ class ModelSpec:
       (its modules together) are the pipeline and FSDP units, in that order. A stage keeps some of
       them and the others are set to None (removed from the ModuleDict), so parameter names stay
       those of the whole model.
-    - `tp_plan(sequence_parallel, loss_parallel)`: the tensor-parallel plan, module path (fnmatch
+    - `tp_plan(cfg, sequence_parallel, loss_parallel)`: the tensor-parallel plan, module path (fnmatch
       patterns, as torch's parallelize_module takes them) -> ParallelStyle, for the whole model; the
       paths a pipeline stage lacks are left out when it is applied. `tp_divides(cfg)`: the keys
       whose values tensor parallel must divide.
     - `costs`: its FLOPs and memory terms for the plan and the metrics (trainer.models.costs.Costs).
     - `check(cfg)`: the family's config rules (ConfigError); `hf`: its Hugging Face mapping, None if
       it has none.
+    - `block_kind(cfg, index)`: blocks of one kind hold the same parameters (DeepSeek-V3's first
+      blocks are dense, the others MoE): the memory plan builds one of each kind; by default all alike.
     - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
     """
 
     family: str
     model: Callable[[ModelConfig], nn.Module]
-    tp_plan: Callable[[bool, bool], dict]
+    tp_plan: Callable[[ModelConfig, bool, bool], dict]
     costs: Costs
     config: type[ModelConfig] = ModelConfig
     embedding: str = "tok_embeddings"
@@ -77,6 +79,7 @@ class ModelSpec:
     check: Callable[[ModelConfig], None] = lambda cfg: None
     hf: HFMapping | None = None
     checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None
+    block_kind: Callable[[ModelConfig, int], object] = lambda cfg, index: None
 
     def block_name(self, index: int | str) -> str:
         return f"{self.blocks}.{index}"

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.config import ModelConfig
 from trainer.float8 import float8_tp_plan, gather_bytes_over_gloo
 from trainer.models.spec import ModelSpec
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
@@ -37,11 +38,13 @@ class ParallelOptions:
     float8_tp: bool = False  # tensor parallel casts the float8 layers' inputs before it gathers them
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: ParallelOptions) -> None:
+def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: ParallelOptions,
+                config: ModelConfig) -> None:
+    """Parallelizes `model` (a model of `spec`'s family built from `config`, or a stage of one)."""
     blocks = spec.block_modules(model)
     embedding = spec.part(model, spec.embedding)
     if dims.tp_enabled:
-        plan = spec.tp_plan(options.sequence_parallel, options.loss_parallel)
+        plan = spec.tp_plan(config, options.sequence_parallel, options.loss_parallel)
         apply_tp(model, dims.view("tp"), float8_tp_plan(model, plan) if options.float8_tp else plan)
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), options.cp_method)

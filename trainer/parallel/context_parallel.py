@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -56,8 +57,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
 
 class ContextParallelAttention(nn.Module):
     """Causal attention over the whole sequence for the local queries, keys and values
-    [batch, heads, 2*chunk, head_dim], held in the load-balanced layout. Grouped-query attention:
-    q may have a multiple of k's and v's heads. With `within_documents` the local `positions`
+    [batch, heads, 2*chunk, head_dim] (values may be narrower), held in the load-balanced layout.
+    Grouped-query attention: q may have a multiple of k's and v's heads. With `within_documents` the local `positions`
     count from each query's document start (data.document_mask) and keys before it are masked."""
 
     def __init__(self, cp_mesh: DeviceMesh, method: str, within_documents: bool = False):
@@ -73,9 +74,13 @@ class ContextParallelAttention(nn.Module):
             rank, cp = dist.get_rank(self.group), dist.get_world_size(self.group)
             # The global index at which each local query's document starts [batch, seq].
             starts = _global_positions(q.shape[2], rank, cp, q.device) - positions
+        # Keys and values travel together: values narrower than the keys (MLA's) are padded with zeros
+        # to their width, which adds zero columns to the output, cut off (exact).
+        width = v.shape[-1]
+        v = F.pad(v, (0, k.shape[-1] - width)) if width != k.shape[-1] else v
         if self.method == "ring":
-            return _RingAttention.apply(q, k, v, self.group, starts)
-        return _allgather_attention(q, k, v, self.group, starts)
+            return _RingAttention.apply(q, k, v, self.group, starts)[..., :width]
+        return _allgather_attention(q, k, v, self.group, starts)[..., :width]
 
     def extra_repr(self) -> str:
         return f"method={self.method}, cp={dist.get_world_size(self.group)}"

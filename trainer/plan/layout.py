@@ -86,16 +86,20 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
         options = build_options(job, dims, "cpu")
         by_stage = {}
         for stage, modules in enumerate(options.stage_modules):
-            layers = [name for name in modules if spec.is_block(name)]
-            # Blocks are alike: a model of one block stands for each of the stage's.
-            one, kept = one_block(options, modules)
-            units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
-            block = spec.block_name(0)
-            units = [Unit(u.name.replace(block, layer, 1), u.sharded, u.gathered)
-                     for layer in layers for u in units if spec.is_block(u.name)] + [
-                     u for u in units if not spec.is_block(u.name)]
-            blocks = [int(name.rsplit(".", 1)[1]) for name in layers]
-            by_stage[stage] = StageHoldings(stage, modules, units, blocks)
+            blocks = [int(name.rsplit(".", 1)[1]) for name in modules if spec.is_block(name)]
+            # Blocks of one kind are alike: a model of the kind's first block stands for each of them.
+            first = {}
+            for index in blocks:
+                first.setdefault(spec.block_kind(job.model, index), index)
+            per_kind, edges = {}, []
+            for kind, index in (first or {None: 0}).items():
+                one, kept = one_block(options, modules, index)
+                units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
+                per_kind[kind] = [(u, spec.block_name(index)) for u in units if spec.is_block(u.name)]
+                edges = [u for u in units if not spec.is_block(u.name)]
+            units = [Unit(u.name.replace(stand_in, spec.block_name(index), 1), u.sharded, u.gathered)
+                     for index in blocks for u, stand_in in per_kind[spec.block_kind(job.model, index)]]
+            by_stage[stage] = StageHoldings(stage, modules, units + edges, blocks)
     return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
             for r in range(dims.pp)]
 
