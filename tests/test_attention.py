@@ -45,10 +45,10 @@ def cases():
     yield "causal, documents", True, 40, 40, Mask(every, every, starts)
 
 
-def inputs(rows, cols, kv_heads, dtype, seed):
+def inputs(rows, cols, kv_heads, dtype, seed, v_width=16):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, rows, 16, generator=g)
-    k, v = (torch.randn(2, kv_heads, cols, 16, generator=g) for _ in range(2))
+    k, v = torch.randn(2, kv_heads, cols, 16, generator=g), torch.randn(2, kv_heads, cols, v_width, generator=g)
     return [x.to(dtype).requires_grad_() for x in (q, k, v)]
 
 
@@ -59,17 +59,18 @@ def relative_error(mine, expected) -> float:
 @pytest.mark.parametrize("kernel", ["sdpa", "cpu_flash", "math"])
 def test_kernel_and_its_gradients_match_float64_attention(kernel, monkeypatch):
     monkeypatch.setattr(kernels, "KERNELS", {"cpu": {"attention": kernel, "masked attention": kernel}})
-    for dtype, kv_heads, (name, causal, rows, cols, mask) in itertools.product(
-            (torch.float32, torch.bfloat16), (4, 2, 1), cases()):
-        q, k, v = inputs(rows, cols, kv_heads, dtype, seed=rows + kv_heads)
-        grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    # Values as wide as the keys, and narrower (MLA's: the fused kernels see them padded).
+    for dtype, kv_heads, v_width, (name, causal, rows, cols, mask) in itertools.product(
+            (torch.float32, torch.bfloat16), (4, 2, 1), (16, 8), cases()):
+        q, k, v = inputs(rows, cols, kv_heads, dtype, seed=rows + kv_heads, v_width=v_width)
+        grad_out = torch.randn(*q.shape[:-1], v_width, generator=torch.Generator().manual_seed(1)).to(dtype)
         out = attention(q, k, v, causal, mask)
         assert out.dtype == dtype
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
         q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
         expected = reference(q64, k64, v64, causal, mask)
         expected_grads = torch.autograd.grad(expected, (q64, k64, v64), grad_out.double())
-        where = f"{kernel} {dtype} kv_heads={kv_heads} {name}"
+        where = f"{kernel} {dtype} kv_heads={kv_heads} v_width={v_width} {name}"
         for what, mine, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *expected_grads)):
             assert mine.dtype == dtype, f"{where}: {what} is {mine.dtype}"
             error = relative_error(mine, theirs)

@@ -43,8 +43,8 @@ QWEN3 = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vo
     ("{not json", r"config.json is not JSON"),
     ({"model_type": "llama", "num_hidden_layers": 2}, r"config.json lacks hidden_size, num_attention_heads"),
     ({"model_type": "gpt2", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10,
-      "intermediate_size": 8, "rms_norm_eps": 1e-5}, r"model_type=gpt2 is not supported \(llama, mixtral, qwen3, "
-                                                      r"qwen3_moe\)"),
+      "intermediate_size": 8, "rms_norm_eps": 1e-5}, r"model_type=gpt2 is not supported \(deepseek_v3, llama, "
+                                                      r"mixtral, qwen3, qwen3_moe\)"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"], **QWEN3},
      r"architectures=\['Qwen3ForSequenceClassification'\] is not supported \(Qwen3ForCausalLM"),
     ({"model_type": "qwen3", "use_sliding_window": True, **QWEN3}, r"use_sliding_window=True is not supported"),
@@ -146,7 +146,7 @@ MISTAKES = {
                            r"model.head_dim=33 \(a head's width: 33\) must be even: the rotary embedding"),
     "shared experts with no MoE": (lambda p: ["model.n_shared_experts=1"],
                                    r"model.n_shared_experts is not a key of model.family=llama; it is one of "
-                                   r"model.family=mixtral or qwen3_moe"),
+                                   r"model.family=deepseek_v3 or mixtral or qwen3_moe"),
     "groups not dividing the experts": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=3"],
                                         r"model.n_expert_groups=3 must divide model.n_experts=16"),
     "more top groups than groups": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=4",
@@ -157,6 +157,18 @@ MISTAKES = {
     "aux-free bias with fault tolerance": (lambda p: ["model=qwen3_moe_debug", "model.bias_update_speed=0.001",
                                                       "fault_tolerance.enabled=true", "parallel.dp_replicate=2"],
                                            r"model.bias_update_speed=0.001 cannot be combined with fault_tolerance"),
+    # DeepSeek-V3's latent attention and dense blocks.
+    "odd rotary width": (lambda p: ["model=deepseek_v3_debug", "model.qk_rope_head_dim=7"],
+                         r"model.qk_rope_head_dim=7 must be even: the rotary embedding turns pairs"),
+    "a query latent of rank 0": (lambda p: ["model=deepseek_v3_debug", "model.q_lora_rank=0"],
+                                 r"model.q_lora_rank=0 must be between 1 and model.dim=128, or null"),
+    "a key/value latent wider than the model": (lambda p: ["model=deepseek_v3_debug", "model.kv_lora_rank=256"],
+                                                r"model.kv_lora_rank=256 must be between 1 and model.dim=128"),
+    "more dense blocks than blocks": (lambda p: ["model=deepseek_v3_debug", "model.n_dense_layers=9"],
+                                      r"model.n_dense_layers=9 must be between 0 and model.n_layers - 1=7"),
+    "a misspelt key of the family's": (lambda p: ["model=deepseek_v3_debug", "model.kv_lora_rnak=16"],
+                                       r"model.kv_lora_rnak is not a key of model.family=deepseek_v3; did you mean "
+                                       r"model.kv_lora_rank\?"),
     "a word for an integer": (lambda p: ["training.steps=abc"],
                               r"^config error: training.steps=abc must be an integer$"),
     "a word for a number": (lambda p: ["training.lr=fast"], r"^config error: training.lr=fast must be a number$"),

@@ -9,6 +9,8 @@ from helpers import REPO, launch, run_script, spawn
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -29,6 +31,13 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
 # Llama 3.1's rotary scaling with an original context of 32 tokens, shorter than the 80 of `tokens()`.
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=32)
+# DeepSeek-V3: MLA with a query latent, YaRN (an original context of 32, beyond it the mscale in the
+# softmax), 4 groups of which a token uses 2, a shared expert; then without the query latent or groups.
+DEEPSEEK = dict(SHAPE, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+                num_hidden_layers=3, norm_topk_prob=True, num_nextn_predict_layers=0, max_position_embeddings=128)
+DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                     beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
 FAMILIES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(rope_theta=5000.0, **SHAPE)),
     "llama3_rope": lambda: LlamaForCausalLM(LlamaConfig(rope_parameters=LLAMA3_ROPE, max_position_embeddings=128,
@@ -39,6 +48,12 @@ FAMILIES = {
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
         head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
         **SHAPE)),
+    "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        q_lora_rank=16, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        rope_parameters=DEEPSEEK_YARN, **DEEPSEEK)),
+    "deepseek_v3_no_q_lora": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=1.0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0), **DEEPSEEK)),
 }
 
 
@@ -49,6 +64,9 @@ def hf_model(family: str, path):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's bias in the experts' choice
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return model
 
@@ -92,7 +110,7 @@ def test_import_and_export_keep_transformers_logits(family, tmp_path):
     # Both forms of the rotary settings, for transformers before 5 and after.
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert written["rope_theta"] == written["rope_parameters"]["rope_theta"]
-    assert (written["rope_scaling"] is None) == (family != "llama3_rope")
+    assert (written["rope_scaling"] is None) == (family not in ("llama3_rope", "deepseek_v3"))
     with torch.no_grad():
         torch.testing.assert_close(converted(tokens()), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(back(tokens()).logits, expected, rtol=1e-5, atol=1e-5)

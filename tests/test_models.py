@@ -44,7 +44,7 @@ def test_a_model_config_saved_by_an_earlier_version_reads_as_before():
     check_same_shape(moe, model_config({**TINY, "family": "qwen3_moe", "n_experts": 4, "top_k": 2, "head_dim": 16}),
                      "checkpoint.initial")
     with pytest.raises(ConfigError, match=r"model.n_experts is not a key of model.family=llama; it is one of "
-                                          r"model.family=mixtral or qwen3_moe"):
+                                          r"model.family=deepseek_v3 or mixtral or qwen3_moe"):
         model_config({**EARLIER, "n_experts": 4})  # a value that means something is not dropped
     with pytest.raises(ConfigError, match=r"model.top_k=two must be an integer"):
         model_config({**TINY, "family": "mixtral", "top_k": "two"})

@@ -141,7 +141,7 @@ def test_mixture_of_experts_rules_are_config_errors():
     check_job(job_with(parallel__ep=2, parallel__tp=2), world=4)
     mixtral = dataclasses.asdict(load_model_config("mixtral_debug"))
     with pytest.raises(ConfigError, match=r"model.n_experts is not a key of model.family=llama; it is one of "
-                                          r"model.family=mixtral or qwen3_moe"):
+                                          r"model.family=deepseek_v3 or mixtral or qwen3_moe"):
         load_model_config({**mixtral, "family": "llama"})
     for settings, message in [
         ({"model__top_k": 9}, r"model.top_k=9 must be between 1 and model.n_experts=8"),

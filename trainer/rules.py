@@ -125,8 +125,8 @@ def check_model(model: ModelConfig) -> None:
     if scaling.type not in ("llama3", "yarn"):
         raise ConfigError(f"model.rope_scaling.type={scaling.type} is not supported; use llama3 or yarn, or "
                           f"rope_scaling=null")
-    if scaling.type == "yarn" and not 0 < scaling.beta_slow < scaling.beta_fast:
-        raise ConfigError(f"model.rope_scaling: beta_slow={scaling.beta_slow} must be > 0 and below "
+    if scaling.type == "yarn" and not 0 < scaling.beta_slow <= scaling.beta_fast:
+        raise ConfigError(f"model.rope_scaling: beta_slow={scaling.beta_slow} must be > 0 and at most "
                           f"beta_fast={scaling.beta_fast}")
     if scaling.type == "llama3" and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
         raise ConfigError(f"model.rope_scaling: low_freq_factor={scaling.low_freq_factor} must be > 0 and below "

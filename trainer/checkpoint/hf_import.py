@@ -19,8 +19,9 @@ from trainer.tensors import local_tensor
 
 @torch.no_grad()
 def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
-    """Sets every parameter of the model parts (plain, or sharded as DTensors in any layout) from
-    the Hugging Face directory `path`, reading this rank's slices only."""
+    """Sets every parameter of the model parts (plain, or sharded as DTensors in any layout), and
+    every buffer the mapping names (an MoE layer's expert bias), from the Hugging Face directory
+    `path`, reading this rank's slices only."""
     cfg = config_from_hf(path)
     sources = hf_sources(cfg)
     sources |= {alias: sources[name] for alias, name in tied_names(cfg).items()}
@@ -35,7 +36,8 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
         return file.read(hf_name, box)
 
     for part in parts:
-        for name, param in part.named_parameters():
+        buffers = [(name, buffer) for name, buffer in part.named_buffers() if name in sources]
+        for name, param in [*part.named_parameters(), *buffers]:
             if name not in sources:
                 raise ConfigError(f"{path} holds no weight for {name}")
             box = _local_box(param)

@@ -35,9 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 # Per device type and case, the kernel used; a device or case missing here gets "math".
+# "narrow attention": values narrower than the keys (MLA's), where CPU's SDPA takes its math path
+# (every score kept for backward) and CUDA's its memory-efficient or cuDNN kernel.
 KERNELS = {
-    "cpu": {"attention": "sdpa", "masked attention": "cpu_flash", "block": "cpu_flash", "masked block": "cpu_flash"},
-    "cuda": {"attention": "sdpa", "masked attention": "flex", "block": "cuda_flash", "masked block": "efficient"},
+    "cpu": {"attention": "sdpa", "narrow attention": "cpu_flash", "masked attention": "cpu_flash",
+            "block": "cpu_flash", "masked block": "cpu_flash"},
+    "cuda": {"attention": "sdpa", "narrow attention": "sdpa", "masked attention": "flex", "block": "cuda_flash",
+             "masked block": "efficient"},
 }
 
 
@@ -69,7 +73,8 @@ def kernel(device_type: str, case: str) -> str:
 def attention(q, k, v, causal: bool = True, mask: Mask | None = None) -> torch.Tensor:
     """The attention output [batch, heads, rows, d]. `causal`: query i sees keys 0..i of the block;
     a `mask` restricts further. Every query must see at least one key."""
-    name = kernel(q.device.type, "attention" if mask is None else "masked attention")
+    case = "attention" if v.shape[-1] == q.shape[-1] else "narrow attention"
+    name = kernel(q.device.type, case if mask is None else "masked attention")
     gqa = q.shape[1] != k.shape[1]
     if name == "sdpa":
         seen = None if mask is None else _seen(mask, causal, q.shape[2], k.shape[2], q.device)[:, None]
@@ -100,7 +105,10 @@ def _forward(name: str, q, k, v, causal, mask):
     if name == "math" or width == q.shape[-1]:
         return FORWARD[name](q, k, v, causal, mask)
     out, lse = FORWARD[name](q, k, _widened(v, q.shape[-1]), causal, mask)
-    return out[..., :width], lse
+    # The output's own copy, laid out [batch, rows, heads, dv] as the kernels lay theirs out: the
+    # padded one is freed, and the output projection's input is a view of it.
+    narrow = out.new_empty(out.shape[0], out.shape[2], out.shape[1], width).transpose(1, 2)
+    return narrow.copy_(out[..., :width]), lse
 
 
 def _backward(name: str, dout, q, k, v, out, lse, causal, mask):

@@ -29,6 +29,9 @@ class Shapes:
     act_bytes: int  # bytes per element of activations (the compute dtype)
     expert_load: float = 1.0  # the slots this rank's experts take, over an even share
     loss_chunk: int | None = None  # tokens per chunk of the output head and loss (None: all at once)
+    # Expert parallel: the experts an FSDP unit of their own, and under selective checkpointing a
+    # region of their own (the spec's checkpoint_regions), so what flows between the regions is kept.
+    experts_apart: bool = False
 
     @property
     def stream_tokens(self) -> int:
@@ -121,6 +124,12 @@ def into_stream(s: Shapes, policy: str) -> float:
     return (s.tokens * s.model.dim if policy == "ops" else 0) + (s.stream_tokens * s.model.dim if s.tp > 1 else 0)
 
 
+def matmuls_kept(outputs: list[float], policy: str) -> float:
+    """Of a block's matmul outputs (elements, in forward order), what selective checkpointing keeps:
+    every one (`ops`), or the first, third, ... (`half_mm`)."""
+    return sum(outputs) if policy == "ops" else sum(outputs[::2])
+
+
 def gqa_context_bytes(s: Shapes, head_dim: int) -> float:
     return 2 * s.tokens * s.model.n_kv_heads * head_dim // s.tp * s.act_bytes
 
@@ -167,17 +176,21 @@ def shared_elements(s: Shapes, width: int, kept: int) -> float:
 
 
 def moe_saved(s: Shapes, n_experts: int, top_k: int, width: int, shared_width: int) -> tuple[float, float]:
-    """(elements in the compute dtype, fp32 elements): each slot's input and output and its three
-    expert activations; the router's logits and probabilities and the routing weights."""
+    """(elements in the compute dtype, fp32 elements): each slot's input, its expert's output and that
+    output weighted (which the sum back into tokens keeps), and its three expert activations; the
+    router's logits and probabilities and the routing weights."""
     slots = moe_slots(s, top_k)
-    elements = slots * s.expert_load * (2 * s.model.dim + 3 * width) + shared_elements(s, shared_width, 3)
+    elements = slots * s.expert_load * (3 * s.model.dim + 3 * width) + shared_elements(s, shared_width, 3)
     return elements, s.stream_tokens * n_experts * 3 + slots * 2
 
 
 def moe_kept(s: Shapes, n_experts: int, top_k: int, width: int, shared_width: int, policy: str) -> float:
     """Elements kept under selective checkpointing: the router's logits (its matmul is the block's fifth:
-    kept by both policies); each token's top_k copies through the experts' three grouped matmuls."""
-    elements = s.stream_tokens * n_experts + moe_slots(s, top_k) * s.expert_load * (2 * width + s.model.dim)
+    kept by both policies); each token's top_k copies through the experts' three grouped matmuls, and
+    with the experts a region of their own, what flows around it (each slot's input, its expert's
+    output and that output weighted)."""
+    per_slot = 2 * width + s.model.dim + (3 * s.model.dim if s.experts_apart else 0)
+    elements = s.stream_tokens * n_experts + moe_slots(s, top_k) * s.expert_load * per_slot
     return elements + shared_elements(s, shared_width, 2 if policy == "ops" else 1)
 
 

@@ -21,6 +21,7 @@ from trainer.errors import ConfigError
 from trainer.models.attention import CausalAttention
 from trainer.models.head import LMHead
 from trainer.models.layers import RMSNorm
+from trainer.models.moe import MoE
 
 
 @dataclass
@@ -253,6 +254,9 @@ class Decoder(nn.Module):
 
 def moe_block_regions(block: TransformerBlock) -> list[nn.Module]:
     """A block with an MoE layer, in the parts selective checkpointing takes each on its own when the
-    experts are an FSDP unit of their own: attention, the experts, the shared experts."""
+    experts are an FSDP unit of their own: attention, the experts, the shared experts (a block
+    without one: the whole block)."""
     moe = block.feed_forward
+    if not isinstance(moe, MoE):
+        return [block]
     return [block.attention, moe.experts, *([moe.shared] if moe.shared is not None else [])]

@@ -1,6 +1,7 @@
-"""Tensor-parallel plans (Megatron-style) for the shared building blocks, as data, and the two styles
-they need beside torch's: the output head's (`LMHeadParallel`) and a norm's outside sequence parallel
-(`ReplicateParameters`). A family's plan (its parallelize.py) is the union of the pieces its blocks use.
+"""Tensor-parallel plans (Megatron-style) for the shared building blocks, as data, and the styles
+they need beside torch's: the output head's (`LMHeadParallel`), a norm's (or a low-rank projection's)
+outside sequence parallel (`ReplicateParameters`), and a tensor every rank's heads share
+(`SumGradients`). A family's plan (its parallelize.py) is the union of the pieces its blocks use.
 
 Within a block, q/k/v and the SwiGLU gate/up projections are split by output (column-wise) and the
 attention output and down projections by input (row-wise), so each block needs one collective
@@ -85,6 +86,19 @@ def moe_plan(sequence_parallel: bool, path: str = "layers.*.feed_forward") -> di
         path: PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(between,), use_local_output=True),
         **feed_forward_plan(sequence_parallel, f"{path}.shared"),
     }
+
+
+class SumGradients(ParallelStyle):
+    """A module without parameters whose output (the same on every tp rank) each rank's share of the
+    heads uses (MLA's rotary key): in backward its gradient is summed over the tp ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def output_fn(mod, output, mesh):
+            # A replicated tensor whose gradient is a partial sum on each rank: all-reduced in backward.
+            shared = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
+            return shared.to_local(grad_placements=[Partial()])
+
+        return distribute_module(module, device_mesh, output_fn=output_fn)
 
 
 class ReplicateParameters(ParallelStyle):

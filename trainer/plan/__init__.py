@@ -123,7 +123,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     shapes = Shapes(
         model=m, tokens=per_microbatch * t.seq_len // dims.cp, tp=dims.tp, cp=dims.cp,
         sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-        act_bytes=act_bytes, expert_load=expert_load, loss_chunk=t.loss_chunk_tokens,
+        act_bytes=act_bytes, expert_load=expert_load, loss_chunk=t.loss_chunk_tokens, experts_apart=dims.ep_enabled,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
     f8 = t.float8.recipe if t.float8.enabled else None

@@ -29,7 +29,9 @@ def candidates(job: JobConfig, gpus: int, device: Device):
     """The overrides of every layout to try."""
     m = job.model
     for tp in _powers_of_two(min(device.per_node, gpus)):
-        for cp in _powers_of_two(min(8, gpus // tp)):
+        # cp up to 32: long contexts, and batches too small to split the ranks otherwise (an MoE model's
+        # experts are sharded over dp_shard x cp only).
+        for cp in _powers_of_two(min(32, gpus // tp)):
             for pp in _powers_of_two(min(16, gpus // (tp * cp), m.n_layers)):
                 dp = gpus // (tp * cp * pp)
                 if dp * tp * cp * pp != gpus:
