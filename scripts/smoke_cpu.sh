@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 recipe=${1:-llama_hsdp}
 nproc=${2:-4}
 shift $(( $# < 2 ? $# : 2 ))
-family=${recipe%%_*}
+# The debug model of the recipe's model family (llama_debug when the recipe keeps the default model).
+model=$(sed -n 's|^ *- override /model: *||p' "recipes/$recipe.yaml")
+family=$(sed -n 's|^family: *||p' "configs/model/${model:-llama_debug}.yaml")
 OMP_NUM_THREADS=1 exec torchrun --standalone --nproc_per_node="$nproc" train.py +recipe="$recipe" \
     model="${family}_debug" +smoke=cpu "$@"

@@ -44,7 +44,7 @@ def test_every_recipe_composes():
 # The recipes' rank counts: each recipe, with its real model size, is a valid layout there.
 RECIPE_WORLDS = {"llama_fsdp": 8, "llama_hsdp": 8, "llama_tp2": 4, "llama_tp2_pp4": 8, "llama_pp_interleaved": 4,
                  "llama_cp2": 4, "llama_4d": 16, "mixtral_ep": 4, "mixtral_ep2_tp2": 8,
-                 "qwen3_tp2": 4, "qwen3_moe_ep": 4}
+                 "qwen3_tp2": 4, "qwen3_moe_ep": 4, "deepseek_v3_ep": 256}
 
 
 @pytest.mark.parametrize("recipe", RECIPE_WORLDS)

@@ -85,17 +85,18 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
         dims.build_mesh("cpu")
         options = build_options(job, dims, "cpu")
         by_stage = {}
+        # Blocks of one kind are alike: a model of the kind's first block stands for each of them.
+        first: dict = {}
+        for index in range(job.model.n_layers):
+            first.setdefault(spec.block_kind(job.model, index), index)
         for stage, modules in enumerate(options.stage_modules):
             blocks = [int(name.rsplit(".", 1)[1]) for name in modules if spec.is_block(name)]
-            # Blocks of one kind are alike: a model of the kind's first block stands for each of them.
-            first = {}
-            for index in blocks:
-                first.setdefault(spec.block_kind(job.model, index), index)
+            kinds = {spec.block_kind(job.model, index) for index in blocks} or {spec.block_kind(job.model, 0)}
             per_kind, edges = {}, []
-            for kind, index in (first or {None: 0}).items():
-                one, kept = one_block(options, modules, index)
+            for kind in kinds:
+                one, kept = one_block(options, modules, first[kind])
                 units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
-                per_kind[kind] = [(u, spec.block_name(index)) for u in units if spec.is_block(u.name)]
+                per_kind[kind] = [(u, spec.block_name(first[kind])) for u in units if spec.is_block(u.name)]
                 edges = [u for u in units if not spec.is_block(u.name)]
             units = [Unit(u.name.replace(stand_in, spec.block_name(index), 1), u.sharded, u.gathered)
                      for index in blocks for u, stand_in in per_kind[spec.block_kind(job.model, index)]]

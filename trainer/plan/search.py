@@ -14,9 +14,11 @@ from collections import Counter
 
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
+from trainer.models import build_model, count_params
+from trainer.models.moe import moe_layers
 from trainer.models.moe_config import n_experts
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
-from trainer.plan import GIB, Plan, make_plan
+from trainer.plan import GIB, MARGIN, Plan, make_plan
 from trainer.plan.devices import Device
 from trainer.rules import check_job
 
@@ -61,12 +63,33 @@ def _apply(job: JobConfig, overrides: dict) -> JobConfig:
                                        for section, fields in sections.items()})
 
 
+def parameter_counts(job: JobConfig) -> tuple[int, int]:
+    """(the model's parameters, those of its experts), counted on the meta device."""
+    model = build_model(job.model, device="meta")
+    experts = sum(p.numel() for layer in moe_layers(model) for p in layer.experts.parameters())
+    return count_params(model), experts
+
+
+def states_bound(counts: tuple[int, int], layout: dict) -> float:
+    """A lower bound of a rank's peak under `layout`: its share of the fp32 parameters, gradients and
+    AdamW's two moments (16 bytes a parameter), the experts sharded over pp x dp_shard x cp, the rest
+    also over tp."""
+    total, experts = counts
+    shards = layout["parallel.pp"] * layout["parallel.dp_shard"] * layout["parallel.cp"]
+    return 16 * (experts / shards + (total - experts) / (shards * layout["parallel.tp"]))
+
+
 def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]:
-    """Plans that fit, best first, each with the overrides that give it."""
+    """Plans that fit, best first, each with the overrides that give it. A layout whose parameter
+    states alone exceed the device's memory is not planned."""
     fitting: list[tuple[Plan, dict]] = []
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
+    counts, usable = parameter_counts(job), device.memory_gib * GIB * (1 - MARGIN)
     for layout in candidates(job, gpus, device):
+        if states_bound(counts, layout) > usable:
+            rejected["parameter states over the memory"] += 1
+            continue
         for accum in _powers_of_two(job.training.global_batch_size):
             found = False
             for mb_factor in (1, 2, 4) if layout["parallel.pp"] > 1 else (None,):
