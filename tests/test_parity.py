@@ -190,30 +190,29 @@ def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
 # heads wider than dim / n_heads; 4 layers for CI's time), Qwen3-MoE (16 small experts, top 4), and
 # DeepSeek-V3's routing on a Mixtral-shaped model (shared expert, sigmoid scores renormalised and
 # scaled, 4 expert groups of which a token uses 2, the aux-loss-free bias moving 0.001 a step as in
-# DeepSeek-V3). At 0.01 the bias, not the scores, decides many choices, and near-ties flip under tp's
-# other rounding (ep2 x tp2: gradient norm 9e-3 off).
+# DeepSeek-V3; under pipeline parallel: the deepseek_v3 family's row). At 0.01 the bias, not the
+# scores, decides many choices, and near-ties flip under tp's other rounding (ep2 x tp2: gradient norm
+# 9e-3 off).
 QWEN3 = ("model=qwen3_debug", "model.n_layers=4")
 QWEN3_MOE = ("model=qwen3_moe_debug",)
 DEEPSEEK = ("model=mixtral_debug", "model.route_score=sigmoid", "model.route_scale=2.5", "model.n_shared_experts=1",
             "model.n_expert_groups=4", "model.top_groups=2", "model.bias_update_speed=0.001")
-# DeepSeek-V3's debug model: latent attention, 2 dense blocks, then MoE blocks with its routing. Its
-# pipeline row makes the first 4 blocks dense: one stage of dense blocks, one of MoE blocks.
-DEEPSEEK_V3 = ("model=deepseek_v3_debug",)
-DENSE_STAGE = ("model.n_dense_layers=4", *TWO_MICROBATCHES)
+# DeepSeek-V3's debug model in 4 blocks: latent attention, 2 dense blocks, then 2 MoE blocks with its
+# routing (its pipeline row: one stage of dense blocks, one of MoE blocks).
+DEEPSEEK_V3 = ("model=deepseek_v3_debug", "model.n_layers=4")
 # name -> (the model, ranks, the layout's recipe and overrides, the 1-rank reference's overrides)
 FAMILY_LAYOUTS = {
     "qwen3_fsdp2": (QWEN3, 2, ["+recipe=llama_fsdp"], ()),
     "qwen3_tp2": (QWEN3, 2, ["+recipe=llama_tp2"], ()),
     "qwen3_moe_ep2": (QWEN3_MOE, 2, ["+recipe=mixtral_ep"], ()),
     "qwen3_moe_ep2_tp2": (QWEN3_MOE, 4, ["+recipe=mixtral_ep2_tp2"], ()),
-    "deepseek_routing_pp2": (DEEPSEEK, 2, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
     # The shared expert split over tp by the MoE families' plan (without its entries: 1.1e-2 off).
     "deepseek_routing_ep2_tp2": (DEEPSEEK, 4, ["+recipe=mixtral_ep2_tp2"], ()),
     "deepseek_v3_fsdp2": (DEEPSEEK_V3, 2, ["+recipe=llama_fsdp"], ()),
     # Sequence and loss parallel; the latents replicated, the heads split, the rotary key's gradient summed.
     "deepseek_v3_tp2": (DEEPSEEK_V3, 2, ["+recipe=llama_tp2"], ()),
     "deepseek_v3_ep2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep"], ()),
-    "deepseek_v3_pp2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep", "parallel.pp=2", *DENSE_STAGE], DENSE_STAGE),
+    "deepseek_v3_pp2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
     # Ring attention with values narrower than the keys.
     "deepseek_v3_cp2": (DEEPSEEK_V3, 2, ["+recipe=llama_cp2"], ()),
 }
