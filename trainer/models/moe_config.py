@@ -81,8 +81,9 @@ HF_ROUTING = {"route_score": "softmax", "route_scale": 1.0, "n_shared_experts": 
               "bias_update_speed": 0.0, "expert_bias": False}
 
 
-def check_hf_routing(cfg: MoEConfig, architecture: str) -> None:
-    for key, value in HF_ROUTING.items():
+def check_hf_routing(cfg: MoEConfig, architecture: str, routing: dict = HF_ROUTING) -> None:
+    """A config error when the model's MoE keys differ from `routing`, what `architecture` computes."""
+    for key, value in routing.items():
         if getattr(cfg, key) != value:
             raise ConfigError(f"model.{key}={getattr(cfg, key)}: transformers' {architecture} has no such routing "
                               f"(model.{key}={value}); this model has no Hugging Face form")

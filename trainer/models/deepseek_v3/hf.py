@@ -6,6 +6,7 @@ from __future__ import annotations
 from trainer.errors import ConfigError
 from trainer.models.deepseek_v3.model import DeepseekV3Config
 from trainer.models.hf_names import edge_names, expert_names, swiglu_names
+from trainer.models.moe_config import check_hf_routing
 from trainer.models.spec import HFMapping
 
 # Our MLA projections and norms -> transformers' (self_attn.<name>).
@@ -59,10 +60,7 @@ HF_ROUTING = {"route_score": "sigmoid", "capacity_factor": None}
 def config(cfg: DeepseekV3Config, common: dict):
     from transformers import DeepseekV3Config as HFDeepseekV3Config
 
-    for key, value in HF_ROUTING.items():
-        if getattr(cfg, key) != value:
-            raise ConfigError(f"model.{key}={getattr(cfg, key)}: transformers' DeepSeek-V3 has no such routing "
-                              f"(model.{key}={value}); this model has no Hugging Face form")
+    check_hf_routing(cfg, "DeepSeek-V3", HF_ROUTING)
     return HFDeepseekV3Config(
         **{**common, "intermediate_size": cfg.dense_ffn_dim}, moe_intermediate_size=cfg.ffn_dim,
         n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, n_shared_experts=cfg.n_shared_experts,
