@@ -13,6 +13,7 @@ NCCL paths need several GPUs and are not checked here.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -40,9 +41,10 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the fp64 
 MFU_BAR = 0.45  # llama3_1b in bf16 on one H100
 
 
-def attention_inputs(device, dtype, seq=256, heads=8, kv_heads=2, head_dim=64):
+def attention_inputs(device, dtype, seq=256, heads=8, kv_heads=2, head_dim=64, value_dim=None):
+    """q, k, v; values `value_dim` wide (None: head_dim) for MLA's narrower values."""
     g = torch.Generator().manual_seed(0)
-    shapes = [(2, heads, seq, head_dim), (2, kv_heads, seq, head_dim), (2, kv_heads, seq, head_dim)]
+    shapes = [(2, heads, seq, head_dim), (2, kv_heads, seq, head_dim), (2, kv_heads, seq, value_dim or head_dim)]
     return [torch.randn(s, generator=g).to(device, dtype).requires_grad_() for s in shapes]
 
 
@@ -92,8 +94,9 @@ def check_sdpa_kernels(device, args) -> tuple[str, str]:
 def check_attention_kernels(device, args) -> tuple[str, str]:
     """Each kernel trainer.models.attention picks on this device, and its math reference, as the
     differentiable attention (a block kernel's forward and its backward from the final log-sum-exp),
-    fp32 and bf16, grouped-query, causal and within documents; and a masked block's row that sees
-    no key gets no weight."""
+    fp32 and bf16, grouped-query, causal and within documents, values as wide as keys and narrower
+    (MLA's 192-wide keys, 128-wide values; zero-padded for the kernels that want one width); and a
+    masked block's row that sees no key gets no weight."""
     from trainer.models import attention as kernels
 
     seq = 256
@@ -105,18 +108,25 @@ def check_attention_kernels(device, args) -> tuple[str, str]:
     try:
         for name in names:
             kernels.KERNELS = {device.type: {case: name for case in saved.get(device.type, {})}}
-            for dtype in (torch.float32, torch.bfloat16):
-                for documents in (False, True):
-                    q, k, v = attention_inputs(device, dtype, seq=seq)
-                    mask = kernels.Mask(index, index, starts) if documents else None
+            for dtype, documents, narrow in itertools.product((torch.float32, torch.bfloat16), (False, True),
+                                                              (False, True)):
+                widths = {"head_dim": 192, "value_dim": 128} if narrow else {}
+                q, k, v = attention_inputs(device, dtype, seq=seq, **widths)
+                mask = kernels.Mask(index, index, starts) if documents else None
+                case = (f"{name} {str(dtype)[6:]} {'documents' if documents else 'causal'}"
+                        f"{' narrow' if narrow else ''}")
+                try:
                     out = kernels.attention(q, k, v, causal=not documents, mask=mask)
                     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-                    dense = mask.dense()[:, None] if documents else None
-                    error = max_error((out, grads), reference_attention(q, k, v, not documents, dense))
-                    case = f"{name} {str(dtype)[6:]} {'documents' if documents else 'causal'}"
-                    figures.append(f"{case}: {error:.1e}")
-                    if not error <= TOLERANCE[dtype]:
-                        failed.append(case)
+                except Exception as e:  # one case that breaks fails, the others still run
+                    figures.append(f"{case}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}")
+                    failed.append(case)
+                    continue
+                dense = mask.dense()[:, None] if documents else None
+                error = max_error((out, grads), reference_attention(q, k, v, not documents, dense))
+                figures.append(f"{case}: {error:.1e}")
+                if not error <= TOLERANCE[dtype]:
+                    failed.append(case)
         kernels.KERNELS = saved
         # A ring block from an earlier document: the first query's document starts after every key.
         q, k, v = (x.detach() for x in attention_inputs(device, torch.bfloat16, seq=64))
@@ -170,7 +180,7 @@ def train(overrides: list[str], out: str) -> list[dict]:
     result = subprocess.run([sys.executable, TRAIN, f"output_dir={out}", "metrics.log_every=1",
                              *overrides], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "train.py failed")
+        raise RuntimeError(" | ".join(result.stderr.strip().splitlines()[-4:]) or "train.py failed")
     (Path(out) / "console.log").write_text(result.stdout)
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
@@ -213,6 +223,17 @@ def check_mixtral_run(device, args) -> tuple[str, str]:
         model += ["model.dim=1024", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=2048",
                   "model.n_layers=8", "model.max_seq_len=4096", "training.seq_len=4096",
                   "training.global_batch_size=4"]
+    with tempfile.TemporaryDirectory() as out:
+        records = train(training_overrides(device, model), out)
+    ok = all(r["loss"] == r["loss"] for r in records) and records[-1]["loss"] < records[0]["loss"]
+    return ("PASS" if ok else "FAIL"), run_figures(records, warmup=5)
+
+
+def check_deepseek_run(device, args) -> tuple[str, str]:
+    """MLA (values narrower than keys) and dense-then-MoE blocks: DeepSeek-V2-Lite's layers (4 of them: one
+    dense, three of 64 experts) on the GPU, the debug model on the CPU."""
+    model = (["model=deepseek_v2_lite", "model.n_layers=4", "training.seq_len=4096", "training.global_batch_size=4"]
+             if device.type == "cuda" else ["model=deepseek_v3_debug"])
     with tempfile.TemporaryDirectory() as out:
         records = train(training_overrides(device, model), out)
     ok = all(r["loss"] == r["loss"] for r in records) and records[-1]["loss"] < records[0]["loss"]
@@ -303,7 +324,7 @@ def print_row(name: str, run: Future) -> None:
           f"{'n/a' if planned is None else f'{planned:.1f}'} |", flush=True)
 
 
-RUNS = [check_llama_run, check_mixtral_run, check_checkpoint_resume]
+RUNS = [check_deepseek_run, check_llama_run, check_mixtral_run, check_checkpoint_resume]
 CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, *RUNS]
 
 

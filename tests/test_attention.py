@@ -81,12 +81,28 @@ def test_kernel_and_its_gradients_match_float64_attention(kernel, monkeypatch):
 def test_flex_attention_block_mask_matches_float64_attention(monkeypatch):
     # CPU FlexAttention has no backward (torch 2.13): its forward checks the block mask built from `Mask`.
     monkeypatch.setattr(kernels, "KERNELS", {"cpu": {"masked attention": "flex"}})
-    for name, causal, rows, cols, mask in cases():
+    for v_width, (name, causal, rows, cols, mask) in itertools.product((16, 8), cases()):
         if mask is None:
             continue
-        q, k, v = (x.detach() for x in inputs(rows, cols, 2, torch.float32, seed=rows))
+        q, k, v = (x.detach() for x in inputs(rows, cols, 2, torch.float32, seed=rows, v_width=v_width))
         out = attention(q, k, v, causal, mask)
-        assert relative_error(out, reference(q, k, v, causal, mask)) < TOLERANCE[torch.float32], name
+        assert relative_error(out, reference(q, k, v, causal, mask)) < TOLERANCE[torch.float32], (name, v_width)
+
+
+def test_the_memory_efficient_backward_gets_the_output_laid_out_as_its_forward_wrote_it(monkeypatch):
+    # CUDA's kernel: in half precision it reads the output at a row stride of heads x width, whatever
+    # the tensor's strides say; an output [b, heads, rows, d]-contiguous gave wrong gradients on an H200.
+    given = {}
+
+    def kernel(dout, q, k, v, bias, out, *rest):
+        given["out"] = out
+        return q, k, v, None
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", kernel)
+    q, k, v = (x.detach() for x in inputs(8, 8, 2, torch.bfloat16, seed=0))
+    out = torch.randn(2, 4, 8, 16).to(torch.bfloat16)
+    kernels._efficient_backward(torch.ones_like(out), q, k, v, out, torch.zeros(2, 4, 8), True, None)
+    assert torch.equal(given["out"], out) and given["out"].transpose(1, 2).is_contiguous()
 
 
 @pytest.mark.parametrize("kernel", ["cpu_flash", "math"])

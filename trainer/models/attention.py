@@ -81,7 +81,7 @@ def attention(q, k, v, causal: bool = True, mask: Mask | None = None) -> torch.T
         return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, is_causal=causal and mask is None,
                                               enable_gqa=gqa)
     if name == "flex":
-        return _flex(q, k, _widened(v, q.shape[-1]), causal, mask)[..., :v.shape[-1]]
+        return _flex(q, k, v, causal, mask)  # takes values of their own width
     return _Attention.apply(q, k, v, causal, mask, name)
 
 
@@ -266,9 +266,16 @@ def _efficient_backward(dout, q, k, v, out, lse, causal, mask):
     lse = F.pad(lse, (0, padded - rows)).contiguous()
     seed = torch.zeros((), dtype=torch.long, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, out.to(q.dtype), lse, seed, seed, 0.0,
-        [True, True, True, False], causal)
+        dout, q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, _rows_major(out.to(q.dtype)), lse, seed, seed,
+        0.0, [True, True, True, False], causal)
     return dq, _group_heads(dk, k.shape[1]).sum(2), _group_heads(dv, k.shape[1]).sum(2)
+
+
+def _rows_major(out: torch.Tensor) -> torch.Tensor:
+    """[b, heads, rows, d] laid out [b, rows, heads, d] in memory, as the memory-efficient kernel's
+    forward writes it: its half-precision backward reads the output with that row stride whatever
+    the strides it is given (a [b, heads, rows, d]-contiguous one gave gradients 100% off on an H200)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 FORWARD = {"math": _math_forward, "cpu_flash": _cpu_flash_forward, "cuda_flash": _cuda_flash_forward,
@@ -299,8 +306,21 @@ def _flex(q, k, v, causal: bool, mask: Mask | None):
 
     batch = None if mask is None or mask.starts is None else q.shape[0]
     block_mask = create_block_mask(sees, batch, None, q.shape[2], k.shape[2], device=q.device)
-    flex = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                            kernel_options=_flex_blocks(q))
+
+
+# Tiles for FlexAttention's kernels when a row of queries is over 512 bytes (fp32 heads over 128 wide,
+# MLA's 192 among them): Inductor's default tiles then need more shared memory than an H100/H200 has
+# (seen: 279 KB asked, 227 KB there). Measured there to match the fp64 reference.
+SMALL_FLEX_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1,
+                     "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 16}
+
+
+def _flex_blocks(q: torch.Tensor) -> dict | None:
+    return SMALL_FLEX_BLOCKS if q.shape[-1] * q.element_size() > 512 else None
 
 
 class CausalAttention(nn.Module):
