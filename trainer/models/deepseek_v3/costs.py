@@ -99,7 +99,8 @@ class DeepseekV3Costs(Costs):
         fp32 = 2 * s.stream_tokens  # their scales
         if m.q_lora_rank is not None:  # the query latent, before and after its norm
             elements, fp32 = elements + 2 * t * m.q_lora_rank, fp32 + t
-        elements += 2 * t * m.kv_lora_rank  # the key/value latent, before and after its norm
+        # The key/value latent before its norm (a view of the projection's output, rotary key and all) and after.
+        elements += t * (m.kv_lora_rank + rope) + t * m.kv_lora_rank
         fp32 += t
         elements += t * heads * (2 * qk + 2 * m.v_head_dim) // tp  # q, k, v and attention's output
         if s.cp > 1 and s.cp_method == "allgather":
