@@ -209,8 +209,10 @@ FAMILY_LAYOUTS = {
     # The shared expert split over tp by the MoE families' plan (without its entries: 1.1e-2 off).
     "deepseek_routing_ep2_tp2": (DEEPSEEK, 4, ["+recipe=mixtral_ep2_tp2"], ()),
     "deepseek_v3_fsdp2": (DEEPSEEK_V3, 2, ["+recipe=llama_fsdp"], ()),
-    # Sequence and loss parallel; the latents replicated, the heads split, the rotary key's gradient summed.
-    "deepseek_v3_tp2": (DEEPSEEK_V3, 2, ["+recipe=llama_tp2"], ()),
+    # Sequence and loss parallel; the latents replicated, the heads split, the rotary key's gradient summed;
+    # compiled blocks with selective checkpointing.
+    "deepseek_v3_tp2_ac_selective_compile": (DEEPSEEK_V3, 2, ["+recipe=llama_tp2", "training.compile=true",
+                                                              "training.activation_checkpoint=selective"], ()),
     "deepseek_v3_ep2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep"], ()),
     "deepseek_v3_pp2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
     # Ring attention with values narrower than the keys.
