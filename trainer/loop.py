@@ -25,7 +25,7 @@ from trainer.metrics import MetricsLogger, Throughput
 from trainer.optim import build_scheduler, clip_and_sum_loss_
 from trainer.parallel.dims import ParallelDims
 from trainer.parts import StepPart, StepParts
-from trainer.steps import job_loss
+from trainer.steps import job_loss, supervised_scale
 from trainer.stop import StopRequest
 from trainer.watchdog import Watchdog
 
@@ -38,7 +38,7 @@ class Trainer:
     log: Callable[..., None]  # prints on rank 0
     model: nn.ModuleList  # this rank's model parts (its pipeline stages), as one module
     model_parts: list[nn.Module]
-    step_fn: Callable  # this rank's microbatches -> their mean loss, after forward and backward
+    step_fn: Callable  # this rank's microbatches, their supervised_scale -> its loss, after forward and backward
     eval_fn: Callable  # the same, forward only
     optimizer: torch.optim.Optimizer
     state: TrainState  # what a checkpoint holds of the model and optimizer
@@ -95,8 +95,11 @@ class Trainer:
         step, parameters = self.step, self.model.parameters
         self.parts.before_forward(step)
         loss = torch.zeros((), device=self.device)
+        self.supervised = torch.zeros((), dtype=torch.float64, device=self.device)  # the step's, for its record
         for microbatches in rounds:
-            loss = loss + self.step_fn(microbatches)
+            scale, supervised = supervised_scale(microbatches, self.dims, self.device)
+            loss = loss + self.step_fn(microbatches, scale)
+            self.supervised = self.supervised + supervised
         self.parts.after_backward(step)
         loss = self.replicas.reduce(parameters(), loss)
         grad_norm, loss_sum = clip_and_sum_loss_(parameters(), self.training.max_norm, loss)
@@ -151,7 +154,8 @@ class Trainer:
         """The step's record (collective: the loss and statistics are the whole job's)."""
         self.watchdog.phase("metrics")
         step, dims = self.step, self.dims
-        record = {"step": step, "loss": job_loss(loss, dims), "grad_norm": grad_norm.item(), "lr": lr}
+        record = {"step": step, "loss": job_loss(loss, dims), "grad_norm": grad_norm.item(), "lr": lr,
+                  "supervised_tokens": int(self.supervised.item())}
         throughput = self.throughput.report(step)
         guarded, said = self.guard.report()
         if said:
@@ -169,8 +173,9 @@ class Trainer:
         }
         if validate:
             self.watchdog.slow("validation")
-            val_losses = [self.eval_fn(self.data.validation(i)) for i in range(self.job.validation.steps)]
-            record["val_loss"] = job_loss(torch.stack(val_losses).mean(), dims)
+            batches = [self.data.validation(i) for i in range(self.job.validation.steps)]
+            scale, _ = supervised_scale([m for microbatches in batches for m in microbatches], dims, self.device)
+            record["val_loss"] = job_loss(sum(self.eval_fn(microbatches, scale) for microbatches in batches), dims)
         self.logger.log(record)
         if self.predicted is not None and record["mem_tensor_gib"] is not None:
             self.log(f"plan: measured peak {record['mem_tensor_gib']:.2f} GiB of tensors on rank 0 by step {step} "

@@ -1,6 +1,11 @@
 """The functions that run one step on this rank's model parts: forward and backward over
 the step's microbatches (plain or through a pipeline schedule), forward only for validation, and
-the job's mean loss."""
+the job's mean loss.
+
+A step's loss is the sum of its token losses over the supervised tokens (labels not IGNORE_INDEX) of
+the global batch, divided by their number, in every layout: each rank's token losses are summed and
+scaled by supervised_scale, so that the data-parallel mean of the ranks' losses and gradients is that
+mean. With every label supervised it is the mean of the microbatches' means, as before."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.config import JobConfig
+from trainer.models.head import IGNORE_INDEX, sum_token_losses
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import reshard
 from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
@@ -19,20 +25,22 @@ from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
 def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
                   stages: list[int], mark=lambda phase: None):
     """The forward and backward of one optimizer step, and the forward only (validation): each maps
-    this rank's microbatches to its mean loss (0 on pipeline ranks without the last stage). The
-    model computes the loss itself, given the labels (its LMHead). `mark` is told each phase the
-    step enters (the watchdog's)."""
+    this rank's microbatches and their supervised_scale to its share of the step's loss (0 on
+    pipeline ranks without the last stage). The model computes the sum of its token losses itself,
+    given the labels (its LMHead). `mark` is told each phase the step enters (the watchdog's)."""
+    for part in parts:
+        sum_token_losses(part)
     pp_group = dims.view("pp").get_group() if dims.pp_enabled else None
     owners = stage_owners(dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
     pp_rank = dims.view("pp").get_local_rank()
 
-    def eval_fn(microbatches: list) -> torch.Tensor:
+    def eval_fn(microbatches: list, scale: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for inputs, labels, positions in microbatches:
             loss = forward_only(parts, stages, owners, pp_rank, pp_group, inputs.to(device), positions.to(device),
                                 labels.to(device))
             if loss is not None:
-                total += loss / len(microbatches)
+                total += loss * scale
         reshard(parts)
         return total
 
@@ -41,27 +49,48 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
     # Accumulation steps are more microbatches of one schedule run: FSDP gathers and reduce-scatters
     # once a step, and the pipeline fills and drains once.
     n_microbatches = dims.grad_accum_steps * dims.pp_microbatches
+    this_step = {}  # the step's supervised_scale, which the schedule's loss function applies
 
     def loss_fn(loss, labels):
-        # The last stage's output is its microbatch's loss: its share of the step's mean, so that the
-        # gradients sum to the mean's.
-        return loss.sum() / n_microbatches
+        # The last stage's output is its microbatch's summed token losses: scaled, its share of the
+        # step's loss, so that the gradients sum to the loss's.
+        return loss.sum() * this_step["scale"]
 
     n_stages = dims.pp * dims.pp_stages_per_rank
     schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, pp_group, device,
                               n_microbatches, loss_fn)
-    step = partial(pipeline_step, schedule, device=device, first=0 in stages, last=n_stages - 1 in stages, mark=mark)
+
+    def step(microbatches: list, scale: torch.Tensor) -> torch.Tensor:
+        this_step["scale"] = scale
+        return pipeline_step(schedule, microbatches, device=device, first=0 in stages, last=n_stages - 1 in stages,
+                             mark=mark)
+
     return step, eval_fn
 
 
-def train_step(model, microbatches: list, *, device: torch.device, mark) -> torch.Tensor:
-    """Forward and backward over this rank's microbatches; returns their mean loss."""
+def supervised_scale(microbatches: list, dims: ParallelDims, device: torch.device) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """(ranks / N, N) for these microbatches of this rank: N their supervised tokens (labels not
+    IGNORE_INDEX) over the data- and context-parallel ranks, `ranks` the number of those, over which
+    losses and gradients are averaged. A rank's token losses times ranks / N then average to the mean
+    over the N tokens. N is counted from the labels on the host and summed by one all-reduce of a
+    scalar on the device: no host sync."""
+    local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
+    count = torch.tensor(float(local), dtype=torch.float64, device=device)
+    dp_cp = dims.view("dp_cp")
+    if dp_cp.size() > 1:
+        dist.all_reduce(count, group=dp_cp.get_group())
+    return (dp_cp.size() / count.clamp(min=1)).float(), count
+
+
+def train_step(model, microbatches: list, scale: torch.Tensor, *, device: torch.device, mark) -> torch.Tensor:
+    """Forward and backward over this rank's microbatches; returns their scaled loss."""
     total = torch.zeros((), device=device)
     for i, (inputs, labels, positions) in enumerate(microbatches):
         # Gradients are reduced across data-parallel ranks once, after the last microbatch.
         model.set_requires_gradient_sync(i == len(microbatches) - 1)
         mark(f"forward (microbatch {i + 1} of {len(microbatches)})")
-        loss = model(inputs.to(device), positions.to(device), labels.to(device)) / len(microbatches)
+        loss = model(inputs.to(device), positions.to(device), labels.to(device)) * scale
         mark(f"backward (microbatch {i + 1} of {len(microbatches)})")
         loss.backward()
         total += loss.detach()
@@ -72,7 +101,7 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, first: 
                   mark) -> torch.Tensor:
     """One schedule run over the step's microbatches (the accumulation steps' together, in order):
     the schedule cuts them into pipeline microbatches and (on the last stage) records each one's
-    already scaled loss, so they sum to the mean."""
+    already scaled loss, so they sum to the step's."""
     inputs, labels, positions = (torch.cat(parts) for parts in zip(*microbatches))
     losses: list[torch.Tensor] = []
     args = (inputs.to(device),) if first else ()

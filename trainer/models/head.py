@@ -1,11 +1,12 @@
 """The output projection and the loss, computed together a chunk of tokens at a time.
 
 `LMHead` is the final projection of every family: given labels it returns the mean cross-entropy
-instead of the logits, and no [tokens, vocabulary] tensor is ever whole. Each chunk's logits are
-computed in the compute dtype, turned into fp32 log-sum-exps and the gradient of the loss, and freed
-before the next chunk: the gradients of the input and of the weight are computed in forward (their
-GEMMs in the compute dtype, the weight's accumulated in fp32) and scaled in backward, so nothing of
-the size of the logits is saved and no matmul runs twice.
+(in the trainer, the sum of the token losses) instead of the logits, and no [tokens, vocabulary]
+tensor is ever whole. Each chunk's logits are computed in the compute dtype, turned into fp32
+log-sum-exps and the gradient of the loss, and freed before the next chunk: the gradients of the
+input and of the weight are computed in forward (their GEMMs in the compute dtype, the weight's
+accumulated in fp32) and scaled in backward, so nothing of the size of the logits is saved and no
+matmul runs twice.
 
 Under tensor parallel with the vocabulary split (LMHeadParallel), each rank holds its shard's rows
 of the weight: per chunk the ranks exchange their log-sum-exps (one all-gather of a [chunk] vector)
@@ -36,6 +37,7 @@ class LMHead(nn.Linear):
         super().__init__(dim, vocab_size, bias=False, **kwargs)
         self.chunk_tokens = chunk_tokens
         self.compiled = False  # the chunks' elementwise work through torch.compile (set_loss_chunk)
+        self.summed = False  # the sum of the token losses instead of their mean (sum_token_losses)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         weight, group = self.weight, None
@@ -46,12 +48,13 @@ class LMHead(nn.Linear):
         if labels is None:
             return F.linear(h, weight)  # this rank's vocabulary shard of the logits under tensor parallel
         if self.chunk_tokens is None and group is None:  # the plain loss, on whole logits
-            return F.cross_entropy(F.linear(h, weight).flatten(0, -2).float(), labels.flatten())
+            return F.cross_entropy(F.linear(h, weight).flatten(0, -2).float(), labels.flatten(),
+                                   reduction="sum" if self.summed else "mean")
         chunk = self.chunk_tokens or labels.numel()
         # (Function.forward runs without grad mode: whether gradients are wanted is decided here.)
         grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         return LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk, group, grads,
-                                        self.compiled)
+                                        self.compiled, self.summed)
 
 
 def set_loss_chunk(model: nn.Module, tokens: int | None, compiled: bool = False) -> None:
@@ -61,6 +64,14 @@ def set_loss_chunk(model: nn.Module, tokens: int | None, compiled: bool = False)
         if isinstance(module, LMHead):
             module.chunk_tokens = tokens
             module.compiled = compiled
+
+
+def sum_token_losses(model: nn.Module) -> None:
+    """Every LMHead of `model` returns the sum of its token losses, not their mean: the trainer divides
+    by the step's supervised tokens over every rank and microbatch (trainer.steps.supervised_scale)."""
+    for module in model.modules():
+        if isinstance(module, LMHead):
+            module.summed = True
 
 
 def _lse_and_target(logits: torch.Tensor, local: torch.Tensor, here: torch.Tensor):
@@ -108,7 +119,7 @@ def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, group,
-                want_grads: bool, compiled: bool = False) -> torch.Tensor:
+                want_grads: bool, compiled: bool = False, summed: bool = False) -> torch.Tensor:
         tokens, vocab = h.shape[0], weight.shape[0]
         first = dist.get_rank(group) * vocab if group is not None else 0  # this shard's first vocabulary id
         local = labels - first
@@ -142,7 +153,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 _add_product(grad_w, grad.t(), x)
         if group is not None:
             dist.all_reduce(target, group=group)  # each label's logit lives on one shard
-        count = count.clamp(min=1)
+        count = torch.ones_like(count) if summed else count.clamp(min=1)
         loss = torch.where(valid, lse - target, 0.0).sum() / count
         if want_grads:
             ctx.save_for_backward(grad_h, grad_w, count)
@@ -155,7 +166,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / count  # applied in fp32: a bf16 scale would bias every gradient alike
         h_dtype, w_dtype = ctx.dtypes
         # Out of place: a zero-bubble schedule runs this backward twice (input, then weight gradients).
-        return (grad_h.float() * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None, None, None
+        return (grad_h.float() * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None, None, None, None
 
 
 def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
