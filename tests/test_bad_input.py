@@ -89,6 +89,17 @@ def _text_file(tmp_path: Path, name: str = "a.txt") -> str:
     return str(tmp_path / name)
 
 
+def _chat(tmp_path: Path, row: dict | None = None, template: str | None = "{{ messages[0]['content'] }}") -> list[str]:
+    """Overrides for chat data of one row (a good one by default) and a template file (None: none)."""
+    row = row or {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(row) + "\n")
+    overrides = ["data.source=json", f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat"]
+    if template is not None:
+        (tmp_path / "template.jinja").write_text(template)
+        overrides.append(f"data.chat_template={tmp_path / 'template.jinja'}")
+    return overrides
+
+
 # name: (the overrides, given tmp_path; what the one line must say)
 MISTAKES = {
     "negative lr": (lambda p: ["training.lr=-1"], r"training.lr=-1.0 must be >= 0"),
@@ -117,6 +128,21 @@ MISTAKES = {
                                       f"data.tokenizer={_bad_tokenizer(p)}"], r"data.tokenizer=.*is not a tokenizer"),
     "parquet that is not": (lambda p: ["data.source=parquet", f"data.path={_text_file(p, 'a.parquet')}"],
                             r"a.parquet is not a parquet file"),
+    # Chat data.
+    "chat rows without messages": (lambda p: _chat(p, {"text": "hi"}),
+                                   r"data.messages_field=messages: .*chat.jsonl row 1 has no list of \{role, "
+                                   r"content\} messages under it"),
+    "a role the template rejects": (lambda p: _chat(p, template="{% if messages[0]['role'] == 'user' %}"
+                                                    "{{ raise_exception('no user turns here') }}{% endif %}"),
+                                    r"data.chat_template: .*chat.jsonl row 1: TemplateError: no user turns here"),
+    "no chat template": (lambda p: _chat(p, template=None),
+                         r"data.format=chat needs a chat template and the bytes tokenizer has none: give one with "
+                         r"data.chat_template="),
+    "a template that does not render": (lambda p: _chat(p, template="{% for m in messages %}"),
+                                        r"data.chat_template: .*chat.jsonl row 1: TemplateSyntaxError: "),
+    "chat from a token file": (lambda p: ["data.source=binary", f"data.path={p}/tokens.bin", "data.format=chat"],
+                               r"data.format=chat reads rows of json/jsonl files \(data.source=json\), not a token "
+                               r"file"),
     "missing resume path": (lambda p: [f"checkpoint.resume={p}/none"], r"checkpoint.resume=.*none is not a directory"),
     "unknown float8 recipe": (lambda p: ["training.float8.enabled=true", "training.float8.recipe=fast"],
                               r"training.float8.recipe=fast must be one of \['tensorwise', 'rowwise', "),

@@ -57,8 +57,13 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
     # are summed over the tp ranks: each slice's loss counts 1/tp.
     aux_loss_scale = 1 / (dims.grad_accum_steps * dims.pp_microbatches * dims.tp)
     return BuildOptions(model=job.model, parallel=parallel, stage_modules=stage_modules(job, dims),
-                        pp_schedule=p.pp_schedule, document_mask=job.data.document_mask, seed=t.seed,
+                        pp_schedule=p.pp_schedule, document_mask=attends_within_documents(job.data), seed=t.seed,
                         aux_loss_scale=aux_loss_scale, loss_chunk_tokens=t.loss_chunk_tokens, float8=float8)
+
+
+def attends_within_documents(data) -> bool:
+    """data.document_mask, or conversations packed into windows: attention stays within each."""
+    return data.document_mask or (data.format != "text" and data.pack)
 
 
 def stage_modules(job: JobConfig, dims: ParallelDims) -> list[list[str]]:

@@ -189,6 +189,16 @@ class DataConfig:
     # Undecodable bytes, malformed JSON lines, empty files and rows without data.text_field: counted
     # and passed over (false), or a config error at the first one (true).
     strict: bool = False
+    # text: documents, every token a target | chat: rows of messages through the chat template, the loss
+    # on the assistant's turns | completion: prompt/completion rows, the loss on the completion
+    format: str = "text"
+    messages_field: str = "messages"  # chat: the column holding [{role, content}, ...]
+    prompt_field: str = "prompt"  # completion
+    completion_field: str = "completion"  # completion
+    chat_template: Optional[str] = None  # a Jinja file; null: the tokenizer's tokenizer_config.json chat_template
+    # chat/completion: conversations packed whole into windows (attention within each), or one a window
+    pack: bool = True
+    overlong: str = "truncate"  # chat/completion: a conversation longer than a window is truncated | dropped
 
 
 @dataclass

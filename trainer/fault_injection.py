@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import ConfigError
+from trainer.models.head import IGNORE_INDEX
 from trainer.parts import StepPart
 from trainer.tensors import local_tensor
 
@@ -97,5 +98,7 @@ class FaultInjection(StepPart):
     def garbage(batches: list, vocab_size: int) -> list:
         """The step's microbatches with every token id scrambled (an affine map modulo the vocabulary):
         text the model cannot predict, made from each sequence alone, so the same in every layout."""
-        return [((inputs * 40503 + 12345) % vocab_size, (labels * 40503 + 12345) % vocab_size)
-                for inputs, labels in batches]
+        def scrambled(ids):
+            return torch.where(ids == IGNORE_INDEX, ids, (ids * 40503 + 12345) % vocab_size)
+
+        return [(scrambled(inputs), scrambled(labels), *rest) for inputs, labels, *rest in batches]

@@ -28,6 +28,7 @@ from trainer.config import (
     TrainingConfig,
 )
 from trainer.data import SOURCES, mix_source
+from trainer.data.chat import FORMATS, OVERLONG
 from trainer.errors import ConfigError
 from trainer.fault_tolerance import check_available, group_view
 from trainer.float8 import check_float8, check_float8_layers
@@ -361,3 +362,10 @@ def _check_source(data: DataConfig) -> None:
     what = {"binary": "a token file", "hub": "a Hugging Face dataset"}.get(data.source)
     if what and not data.path:
         raise ConfigError(f"data.path=None must name {what} for data.source={data.source}")
+    if data.format not in FORMATS:
+        raise ConfigError(f"data.format={data.format} is unknown; choose one of {list(FORMATS)}")
+    if data.overlong not in OVERLONG:
+        raise ConfigError(f"data.overlong={data.overlong} is unknown; choose one of {list(OVERLONG)}")
+    if data.format != "text" and data.source != "json":
+        raise ConfigError(f"data.format={data.format} reads rows of json/jsonl files (data.source=json), not "
+                          f"{'a token file' if data.source == 'binary' else f'data.source={data.source}'}")

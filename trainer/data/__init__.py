@@ -10,9 +10,11 @@ holds no corpus: token files are read window by window and the epoch's order is 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from torch.utils.data import Dataset
 
+from trainer.data import chat
 from trainer.data.cache import cached_tokens, check_tokenizer
 from trainer.data.embedded import EmbeddedText, sentence
 from trainer.data.hub import STREAM_VAL_WINDOWS, HubStream
@@ -38,6 +40,13 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
         # Validation draws from a disjoint stream of the same generator.
         return EmbeddedText(seq_len, seed if split == "train" else seed + 7919)
     what = f"data.path={data.path}"
+    if data.format != "text":
+        conversations = _conversations(data, seq_len)
+        if split in ("train", "all") and int(os.environ.get("RANK", "0")) == 0:
+            print(chat.describe(conversations, data), flush=True)
+        tokenizer = build_tokenizer(data.tokenizer)
+        pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+        return chat.ChatWindows(conversations, seq_len, data.pack, split, pad, tokenizer.vocab_size, tokenizer.eos_id)
     if data.source in ("text", "json", "parquet"):
         tokens, meta = cached_tokens(data.source, data.path, data.text_field, data.tokenizer, data.cache_dir,
                                      data.strict)
@@ -49,6 +58,18 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     assert data.source == "hub", data.source  # (rules.py names the sources)
     return HubStream(data, seq_len, split)
+
+
+_READ: dict[str, chat.Conversations] = {}
+
+
+def _conversations(data, seq_len: int) -> chat.Conversations:
+    """data's conversations, read once for both splits."""
+    key = repr((data, seq_len))
+    if key not in _READ:
+        _READ.clear()
+        _READ[key] = chat.read_conversations(data, build_tokenizer(data.tokenizer), seq_len)
+    return _READ[key]
 
 
 def mix_source(data, source):

@@ -7,7 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from trainer.data.chat import STARTS, SUPERVISED
 from trainer.data.order import as_stream, take
+from trainer.models.head import IGNORE_INDEX
 
 
 def document_positions(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -65,8 +67,9 @@ class BatchLoader:
         """Sequences of the stream consumed after `steps` steps: where the next step reads."""
         return self.offset + steps * self.global_batch
 
-    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """[(inputs, labels)] for `step` (0-based), each [micro_batch, seq_len]."""
+    def microbatches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        """[(inputs, labels)] for `step` (0-based), each [micro_batch, seq_len]; for conversations
+        [(inputs, labels, positions)]."""
         if self.per_rank:  # positions in this rank's shard (resumed with another dp size: proportionally)
             first = (self.offset + step * self.global_batch) // self.dp_size
             positions = [first + block * self.share + i for block in range(self.blocks) for i in range(self.share)]
@@ -77,4 +80,16 @@ class BatchLoader:
                 for block in range(self.blocks) for i in range(self.share)
             ]
         sequences = torch.stack(take(self.stream, positions))
+        if sequences.dim() == 3:  # conversations: tokens and their flags (trainer.data.chat)
+            return [conversation_batch(chunk) for chunk in sequences.split(self.micro_batch)]
         return [(chunk[:, :-1], chunk[:, 1:]) for chunk in sequences.split(self.micro_batch)]
+
+
+def conversation_batch(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Windows [batch, 2, seq + 1] of tokens and flags -> (inputs, labels, positions) [batch, seq]: the
+    labels not learned are IGNORE_INDEX, and positions restart at each conversation."""
+    tokens, flags = windows[:, 0], windows[:, 1]
+    labels = torch.where(flags[:, 1:] & SUPERVISED > 0, tokens[:, 1:], IGNORE_INDEX)
+    index = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
+    starts = flags[:, :-1] & STARTS > 0
+    return tokens[:, :-1], labels, index - torch.where(starts, index, 0).cummax(dim=1).values

@@ -30,8 +30,9 @@ class StepMicrobatches:
             batches = self.corrupt(step + 1, batches)
         return [
             shard_batch(inputs, labels, self.cp_rank, self.cp,
-                        None if self.eos_id is None else document_positions(inputs, self.eos_id))
-            for inputs, labels in batches
+                        positions[0] if positions else None if self.eos_id is None
+                        else document_positions(inputs, self.eos_id))
+            for inputs, labels, *positions in batches
         ]
 
 

@@ -1,0 +1,113 @@
+"""Chat and completion data: the loss covers exactly the assistant's turns (found without reading the
+template's markup), conversations are packed whole with positions restarting at each, and the labels
+not learned are left out of the loss."""
+
+import json
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from trainer.config import DataConfig
+from trainer.data.chat import ChatWindows, assistant_spans, read_conversations
+from trainer.data.loader import conversation_batch
+from trainer.models.head import IGNORE_INDEX
+from trainer.tokenizer import ByteTokenizer, HFTokenizer
+
+# A template with generation markers around what the assistant says, and the same without them.
+MARKED = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+          "{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}{% else %}{{ m['content'] }}<|end|>"
+          "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PLAIN = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+SPECIAL = ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CONVERSATION = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "two and two?"},
+                {"role": "assistant", "content": "four"}, {"role": "user", "content": "and three more?"},
+                {"role": "assistant", "content": "seven, with \u00e9clat"}]
+
+
+def digits_conversations(count: int, seed: int = 0) -> list[dict]:
+    """Conversations of 1 to 3 turns of very different lengths: digits, answered reversed."""
+    r = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        messages = [{"role": "system", "content": "reverse"}] if r.random() < 0.3 else []
+        for _ in range(r.choice([1, 1, 2, 3])):
+            digits = "".join(r.choice("0123456789") for _ in range(r.randint(1, 12)))
+            messages += [{"role": "user", "content": digits}, {"role": "assistant", "content": digits[::-1]}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_chat(folder, rows: list[dict], template: str = PLAIN) -> tuple[str, str]:
+    """A jsonl of `rows` and a template file: (data.path, data.chat_template)."""
+    folder.mkdir(exist_ok=True)
+    (folder / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "template.jinja").write_text(template)
+    return str(folder / "chat.jsonl"), str(folder / "template.jinja")
+
+
+def bpe_with_template(folder) -> str:
+    """A byte-level BPE whose chat markers are special tokens, its template in tokenizer_config.json."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", *SPECIAL],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([m["content"] for m in CONVERSATION] * 20, trainer)
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "bos_token": "<s>", "chat_template": PLAIN}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def spans_by_markers(messages: list[dict]) -> list[tuple[int, int]]:
+    """transformers' own assistant spans: the character ranges its generation markers enclose."""
+    _, indices = render_jinja_template(conversations=[messages], chat_template=MARKED,
+                                       return_assistant_tokens_mask=True, bos_token="<s>")
+    return [tuple(span) for span in indices[0]]
+
+
+@pytest.mark.parametrize("template", [MARKED, PLAIN], ids=["markers", "no markers"])
+def test_the_loss_covers_each_assistant_turn_and_its_end_of_turn_and_nothing_else(template, tmp_path):
+    _, spans = assistant_spans(CONVERSATION, template, {"bos_token": "<s>"}, "test")
+    assert spans == spans_by_markers(CONVERSATION) and len(spans) == 2
+    path, template_file = write_chat(tmp_path, [{"messages": CONVERSATION}], template)
+    for spec in ("bytes", bpe_with_template(tmp_path / "tok")):
+        # The bytes with the template file; the BPE with the template of its tokenizer_config.json.
+        data = DataConfig(source="json", format="chat", path=path, tokenizer=spec,
+                          chat_template=template_file if spec == "bytes" else None)
+        tokenizer = ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+        conversation = read_conversations(data, tokenizer, seq_len=512)
+        ids, supervised = conversation.ids[0], conversation.supervised[0]
+        kept = [i for i, s in zip(ids, supervised) if s]
+        learned = tokenizer.decode(kept) if spec == "bytes" else tokenizer.tokenizer.decode(kept, False)
+        assert learned == "four<|end|>seven, with \u00e9clat<|end|>", learned
+        bos = "" if spec == "bytes" else "<s>"  # (the bytes have no special tokens for a template to name)
+        assert conversation.example.startswith(f"[[{bos}<|system|>answer briefly<|end|><|user|>"), conversation.example
+
+
+def test_completion_rows_learn_the_completion_and_the_end_of_sequence(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    data = DataConfig(source="json", format="completion", path=str(path), tokenizer="bytes")
+    conversation = read_conversations(data, ByteTokenizer(), seq_len=64)
+    assert conversation.ids == [[*b"2+2=4", 0]] and conversation.supervised == [[False] * 4 + [True, True]]
+
+
+def test_packed_windows_restart_positions_and_leave_prompts_out_of_the_labels(tmp_path):
+    path, template = write_chat(tmp_path, digits_conversations(40))
+    data = DataConfig(source="json", format="chat", path=path, chat_template=template, tokenizer="bytes")
+    conversations = read_conversations(data, ByteTokenizer(), seq_len=256)
+    windows = ChatWindows(conversations, 256, pack=True, split="train", pad_id=0, vocab_size=256, eos_id=0)
+    inputs, labels, positions = conversation_batch(torch.stack(list(windows)))
+    # Whole conversations, several a window: positions restart at each one's first token.
+    starts = (positions == 0).sum().item()
+    assert starts == len(conversations.ids) - 1 and len(windows) < 0.6 * starts
+    learned = inputs.new_tensor([i for ids, s in zip(conversations.ids[:-1], conversations.supervised[:-1])
+                                 for i, learn in zip(ids, s) if learn])
+    assert torch.equal(labels[labels != IGNORE_INDEX], learned)  # every assistant token once, in order
+    one_each = ChatWindows(conversations, 256, pack=False, split="val", pad_id=0, vocab_size=256, eos_id=0)
+    assert len(one_each) == 1  # the last conversation, held out

@@ -1,0 +1,240 @@
+"""Conversations for fine-tuning: rows of `messages` (data.format=chat) rendered through the model's own
+chat template, or `prompt`/`completion` pairs (data.format=completion) joined as plain text; tokenized,
+with the tokens the loss covers marked, and packed into windows.
+
+An assistant turn is found without reading any template's markup: turn i is what rendering the
+conversation up to and including it adds to rendering the turns before it with the generation prompt
+(the text a model is prompted with at inference), its trailing whitespace left out. So the loss covers
+each assistant turn's content and the end-of-turn text the template writes after it, in every turn of
+a conversation, and nothing else; a template with generation markers and one without give the same.
+
+A window is [2, seq_len + 1]: the tokens, and a flag per token (SUPERVISED: a target of the loss;
+STARTS: the first token of a conversation, where positions restart and attention stops).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from trainer.data.readers import Problems, json_rows, text_paths
+from trainer.errors import ConfigError
+from trainer.tokenizer import is_bytes
+
+SUPERVISED, STARTS = 1, 2
+VAL_FRACTION = 0.01  # of the conversations (the last ones, at least one) held out for validation
+FORMATS = ("text", "chat", "completion")
+OVERLONG = ("truncate", "drop")
+
+
+def render(template: str, messages: list[dict], special: dict, generation_prompt: bool) -> str:
+    """The template's text for `messages`, rendered as transformers renders chat templates (its
+    sandboxed Jinja environment, filters and globals): what a model is prompted with at inference."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+                                        add_generation_prompt=generation_prompt, **special)
+    return rendered[0]
+
+
+def chat_template(tokenizer: str, template_file: str | None) -> tuple[str, dict]:
+    """The template (data.chat_template's file, else the chat_template of the tokenizer's
+    tokenizer_config.json) and the special tokens templates name (bos_token, eos_token, ...)."""
+    config_file = None if is_bytes(tokenizer) else (
+        Path(tokenizer if Path(tokenizer).is_dir() else Path(tokenizer).parent) / "tokenizer_config.json")
+    config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
+    special = {key: value.get("content") if isinstance(value, dict) else value for key, value in config.items()
+               if key.endswith("_token") and isinstance(value, (str, dict))}
+    if template_file is not None:
+        if not Path(template_file).is_file():
+            raise ConfigError(f"data.chat_template={template_file} is not a file")
+        return Path(template_file).read_text(), special
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+        whose = "the bytes tokenizer has" if config_file is None else f"{config_file} has"
+        raise ConfigError(f"data.format=chat needs a chat template and {whose} none: give one with "
+                          f"data.chat_template=<a Jinja file>")
+    return template, special
+
+
+@dataclass
+class Conversations:
+    """Tokenized conversations and what their reading counted."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    supervised: list[list[bool]] = field(default_factory=list)
+    unsupervised: int = 0  # conversations with no token to learn, skipped
+    truncated: int = 0
+    dropped: int = 0
+    example: str = ""  # the first conversation, its unsupervised text in [[ ]]
+
+    def add(self, ids: list[int], supervised: list[bool], seq_len: int, overlong: str, show) -> None:
+        if not any(supervised):
+            self.unsupervised += 1
+            return
+        if len(ids) > seq_len + 1:
+            if overlong == "drop":
+                self.dropped += 1
+                return
+            ids, supervised = ids[:seq_len + 1], supervised[:seq_len + 1]
+            self.truncated += 1
+        if not self.ids:
+            self.example = show(ids, supervised)
+        self.ids.append(ids)
+        self.supervised.append(supervised)
+
+    def share(self) -> float:
+        tokens = sum(len(ids) for ids in self.ids)
+        return sum(map(sum, self.supervised)) / max(tokens, 1)
+
+
+def marked_tokens(text: str, spans: list[tuple[int, int]], tokenizer) -> tuple[list[int], list[bool]]:
+    """The tokens of `text` and whether each starts inside one of the character spans."""
+    if hasattr(tokenizer, "tokenizer"):  # a Hugging Face tokenizer: character offsets
+        encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+        ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
+    else:  # bytes: one token a byte
+        ids, starts, at = tokenizer.encode(text), [], 0
+        for char in text:
+            starts += [at] * len(char.encode("utf-8"))
+            at += 1
+    return ids, [any(a <= s < b for a, b in spans) for s in starts]
+
+
+def assistant_spans(messages: list[dict], template: str, special: dict, where: str) -> tuple[str, list]:
+    """The conversation's text and the character spans of its assistant turns."""
+    try:
+        text = render(template, messages, special, generation_prompt=False)
+        spans, start = [], 0
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before = render(template, messages[:i], special, generation_prompt=True)
+            turn = render(template, messages[:i + 1], special, generation_prompt=False)
+            if not turn.startswith(before):
+                raise ConfigError(f"data.chat_template: {where}: rendering turn {i} does not extend the text before "
+                                  f"it with the generation prompt, so the assistant's text cannot be found")
+            said = turn[len(before):].rstrip()
+            # The turn as the whole conversation renders it (a template may render past turns otherwise).
+            at = text.find(said, max(start, len(before) if text.startswith(before) else start))
+            if not said or at < 0:
+                raise ConfigError(f"data.chat_template: {where}: the template yields no text for assistant "
+                                  f"turn {i}")
+            spans.append((at, at + len(said)))
+            start = at + len(said)
+    except ConfigError:
+        raise
+    except Exception as e:  # Jinja's errors (a role the template rejects, a template that does not render)
+        raise ConfigError(f"data.chat_template: {where}: {type(e).__name__}: {e}") from None
+    return text, spans
+
+
+def conversation_rows(data, problems: Problems):
+    """(row, where) for each row of data.path's json/jsonl files."""
+    for path in text_paths(data.path, data.source):
+        for number, row in enumerate(json_rows(path, problems), 1):
+            yield row, f"{path} row {number}"
+
+
+def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
+    """Every row of data.path as tokens with the loss's marks (see the module's docstring)."""
+    if data.source != "json":
+        raise ConfigError(f"data.format={data.format} reads json/jsonl rows (data.source=json); "
+                          f"data.source={data.source} is not supported with it yet")
+    problems = Problems(strict=data.strict)
+    if data.format == "chat":
+        template, special = chat_template(data.tokenizer, data.chat_template)
+    conversations = Conversations()
+
+    def show(ids, supervised):
+        pieces, run = [], []
+        for i, (token, learned) in enumerate(zip(ids, supervised)):
+            run.append(token)
+            if i + 1 == len(ids) or supervised[i + 1] != learned:
+                hf = getattr(tokenizer, "tokenizer", None)  # (special tokens shown)
+                decoded = hf.decode(run, skip_special_tokens=False) if hf is not None else tokenizer.decode(run)
+                pieces.append(decoded if learned else f"[[{decoded}]]")
+                run = []
+        return "".join(pieces)
+
+    for row, where in conversation_rows(data, problems):
+        if data.format == "chat":
+            messages = row.get(data.messages_field)
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                raise ConfigError(f"data.messages_field={data.messages_field}: {where} has no list of "
+                                  f"{{role, content}} messages under it")
+            text, spans = assistant_spans(messages, template, special, where)
+            ids, supervised = marked_tokens(text, spans, tokenizer)
+        else:
+            prompt, completion = row.get(data.prompt_field), row.get(data.completion_field)
+            if not isinstance(prompt, str) or not isinstance(completion, str):
+                raise ConfigError(f"data.prompt_field={data.prompt_field}, data.completion_field="
+                                  f"{data.completion_field}: {where} lacks one of them")
+            bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+            head, tail = bos + tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eos_id]
+            ids, supervised = head + tail, [False] * len(head) + [True] * len(tail)
+        conversations.add(ids, supervised, seq_len, data.overlong, show)
+    if not conversations.ids:
+        raise ConfigError(f"data.path={data.path}: no conversation has a token to learn (an assistant turn)")
+    if all(all(s) for s in conversations.supervised):
+        raise ConfigError(f"data.path={data.path}: every token is a target: the prompts are not masked out")
+    return conversations
+
+
+class ChatWindows(Dataset):
+    """Conversations in windows of seq_len + 1 tokens [2, seq_len + 1] (tokens, flags): packed whole in
+    their order, as many as fit (`pack`), or one a window; the rest of a window is padding, learned
+    from by nothing. Split "val" is the last VAL_FRACTION of the conversations (at least one), "train"
+    the others, "all" every one."""
+
+    def __init__(self, conversations: Conversations, seq_len: int, pack: bool, split: str, pad_id: int,
+                 vocab_size: int, eos_id: int):
+        self.seq_len, self.vocab_size, self.eos_id = seq_len, vocab_size, eos_id
+        count = len(conversations.ids)
+        held_out = 0 if split == "all" else max(1, int(count * VAL_FRACTION))
+        if count <= held_out:
+            raise ConfigError(f"data: {count} conversation(s) are too few for a validation split")
+        chosen = range(count - held_out, count) if split == "val" else range(count - held_out)
+        self.windows: list[torch.Tensor] = []
+        window = self._empty(pad_id)
+        used = 0
+        for i in chosen:
+            ids, supervised = conversations.ids[i], conversations.supervised[i]
+            if used and (not pack or used + len(ids) > seq_len + 1):
+                self.windows.append(window)
+                window, used = self._empty(pad_id), 0
+            window[0, used:used + len(ids)] = torch.tensor(ids)
+            window[1, used:used + len(ids)] = torch.tensor(supervised, dtype=torch.long) * SUPERVISED
+            window[1, used] |= STARTS
+            used += len(ids)
+        self.windows.append(window)
+
+    def _empty(self, pad_id: int) -> torch.Tensor:
+        window = torch.zeros(2, self.seq_len + 1, dtype=torch.long)
+        window[0] = pad_id
+        window[1, :] = 0
+        return window
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.windows[index]
+
+
+def describe(conversations: Conversations, data) -> str:
+    """The start-up lines: what was read, what the loss covers, and an example."""
+    counted = [f"{n} {what}" for n, what in ((conversations.truncated, "truncated"), (conversations.dropped,
+               "dropped (data.overlong=drop)"), (conversations.unsupervised, "skipped, no assistant token"))
+               if n]
+    return (f"data: {len(conversations.ids)} conversations (data.format={data.format}), "
+            f"{100 * conversations.share():.1f}% of their tokens supervised"
+            f"{'; ' + ', '.join(counted) if counted else ''}\n"
+            f"data: the first conversation, [[not learned]]: {conversations.example!r}")
+
