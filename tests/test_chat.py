@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import train_metrics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -111,3 +112,28 @@ def test_packed_windows_restart_positions_and_leave_prompts_out_of_the_labels(tm
     assert torch.equal(labels[labels != IGNORE_INDEX], learned)  # every assistant token once, in order
     one_each = ChatWindows(conversations, 256, pack=False, split="val", pad_id=0, vocab_size=256, eos_id=0)
     assert len(one_each) == 1  # the last conversation, held out
+
+
+# Question and answer, no markers a model could lean on: "Q:<digits>\nA:<the digits reversed>;\n".
+QA = ("{% for m in messages %}{% if m['role'] == 'user' %}Q:{{ m['content'] }}\n{% else %}A:{{ m['content'] }};\n"
+      "{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+
+
+@pytest.mark.multiprocess
+def test_answers_that_are_a_function_of_random_prompts_are_learned_to_near_zero_loss(tmp_path):
+    """The prompts are random digits (about 2.3 nats a digit, over a third of the tokens): were they
+    targets, the loss could not fall below about 0.8. The answers, the digits reversed, can be learned."""
+    r = random.Random(0)
+    rows = []
+    for _ in range(3000):
+        digits = "".join(r.choice("0123456789") for _ in range(r.randint(1, 6)))
+        rows.append({"messages": [{"role": "user", "content": digits}, {"role": "assistant", "content": digits[::-1]}]})
+    path, template = write_chat(tmp_path, rows, QA)
+    records = train_metrics(1, "model=llama_debug", "model.n_layers=2", "+smoke=cpu", "data.source=json",
+                            f"data.path={path}", "data.format=chat", f"data.chat_template={template}",
+                            "training.seq_len=64", "training.global_batch_size=16", "training.steps=100",
+                            "training.lr=3e-3", "training.warmup_steps=10", "validation.every=25", "validation.steps=2",
+                            output_dir=tmp_path / "run")
+    curve = [r["val_loss"] for r in records if "val_loss" in r]
+    print("validation loss on the answers:", [round(v, 4) for v in curve])
+    assert curve[0] > 0.5 and curve[-1] < 0.1, curve
