@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import train_metrics
+from helpers import REPO, run_script, train_metrics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -137,3 +137,39 @@ def test_answers_that_are_a_function_of_random_prompts_are_learned_to_near_zero_
     curve = [r["val_loss"] for r in records if "val_loss" in r]
     print("validation loss on the answers:", [round(v, 4) for v in curve])
     assert curve[0] > 0.5 and curve[-1] < 0.1, curve
+
+
+@pytest.mark.multiprocess
+def test_fine_tuned_from_hugging_face_and_back_transformers_prompts_it_as_it_was_trained(tmp_path):
+    """A random transformers Llama with a BPE tokenizer and its chat template: fine-tuned on
+    conversations from its directory, exported, loaded by transformers, whose logits on a conversation
+    rendered by its own tokenizer's template equal the trainer's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from trainer import build_model, load_weights
+
+    hf = bpe_with_template(tmp_path / "hf")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
+                                 tie_word_embeddings=False)).save_pretrained(hf)
+    path, _ = write_chat(tmp_path, [{"messages": CONVERSATION}] * 64)
+    shape = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 320, "ffn_dim": 96,
+             "norm_eps": 1e-6}
+    records = train_metrics(1, "model=llama_debug", *(f"model.{k}={v}" for k, v in shape.items()), "+smoke=cpu",
+                            f"checkpoint.initial={hf}", "data.source=json",
+                            f"data.path={path}", "data.format=chat", "training.seq_len=64", "training.steps=3",
+                            "checkpoint.enabled=true", output_dir=tmp_path / "run")
+    assert records[-1]["loss"] < records[0]["loss"] and records[0]["supervised_tokens"] > 0
+    result = run_script(REPO / "scripts" / "convert_hf.py", "to-hf", tmp_path / "run" / "checkpoints" / "step_3",
+                        tmp_path / "out", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    prompt = tokenizer.apply_chat_template(CONVERSATION[:2], add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"]
+    assert tokenizer.decode(prompt[0]).endswith("<|user|>two and two?<|end|><|assistant|>")
+    ours = build_model({"family": "llama", **shape})
+    load_weights(ours, tmp_path / "run" / "checkpoints" / "step_3")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(prompt).logits, ours(prompt), rtol=1e-5, atol=1e-5)
