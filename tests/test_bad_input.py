@@ -141,8 +141,8 @@ MISTAKES = {
     "a template that does not render": (lambda p: _chat(p, template="{% for m in messages %}"),
                                         r"data.chat_template: .*chat.jsonl row 1: TemplateSyntaxError: "),
     "chat from a token file": (lambda p: ["data.source=binary", f"data.path={p}/tokens.bin", "data.format=chat"],
-                               r"data.format=chat reads rows of json/jsonl files \(data.source=json\), not a token "
-                               r"file"),
+                               r"data.format=chat reads rows of json/jsonl or parquet files \(data.source=json or "
+                               r"parquet\), not a token file"),
     "missing resume path": (lambda p: [f"checkpoint.resume={p}/none"], r"checkpoint.resume=.*none is not a directory"),
     "unknown float8 recipe": (lambda p: ["training.float8.enabled=true", "training.float8.recipe=fast"],
                               r"training.float8.recipe=fast must be one of \['tensorwise', 'rowwise', "),

@@ -5,6 +5,7 @@ not learned are left out of the loss."""
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from helpers import REPO, run_script, train_metrics
@@ -12,7 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from trainer.config import DataConfig
-from trainer.data.chat import ChatWindows, assistant_spans, read_conversations
+from trainer.data.chat import assistant_spans, read_conversations
+from trainer.data.chat_windows import ChatWindows
 from trainer.data.loader import conversation_batch
 from trainer.models.head import IGNORE_INDEX
 from trainer.tokenizer import ByteTokenizer, HFTokenizer
@@ -82,7 +84,7 @@ def test_the_loss_covers_each_assistant_turn_and_its_end_of_turn_and_nothing_els
                           chat_template=template_file if spec == "bytes" else None)
         tokenizer = ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
         conversation = read_conversations(data, tokenizer, seq_len=512)
-        ids, supervised = conversation.ids[0], conversation.supervised[0]
+        ids, supervised = conversation.conversation(0)
         kept = [i for i, s in zip(ids, supervised) if s]
         learned = tokenizer.decode(kept) if spec == "bytes" else tokenizer.tokenizer.decode(kept, False)
         assert learned == "four<|end|>seven, with \u00e9clat<|end|>", learned
@@ -95,7 +97,8 @@ def test_completion_rows_learn_the_completion_and_the_end_of_sequence(tmp_path):
     path.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
     data = DataConfig(source="json", format="completion", path=str(path), tokenizer="bytes")
     conversation = read_conversations(data, ByteTokenizer(), seq_len=64)
-    assert conversation.ids == [[*b"2+2=4", 0]] and conversation.supervised == [[False] * 4 + [True, True]]
+    ids, supervised = conversation.conversation(0)
+    assert ids.tolist() == [*b"2+2=4", 0] and supervised.tolist() == [False] * 4 + [True, True]
 
 
 def test_packed_windows_restart_positions_and_leave_prompts_out_of_the_labels(tmp_path):
@@ -106,9 +109,9 @@ def test_packed_windows_restart_positions_and_leave_prompts_out_of_the_labels(tm
     inputs, labels, positions = conversation_batch(torch.stack(list(windows)))
     # Whole conversations, several a window: positions restart at each one's first token.
     starts = (positions == 0).sum().item()
-    assert starts == len(conversations.ids) - 1 and len(windows) < 0.6 * starts
-    learned = inputs.new_tensor([i for ids, s in zip(conversations.ids[:-1], conversations.supervised[:-1])
-                                 for i, learn in zip(ids, s) if learn])
+    assert starts == len(conversations) - 1 and len(windows) < 0.6 * starts
+    train = conversations.offsets[-2]  # the tokens of the conversations before the held-out last one
+    learned = torch.from_numpy(conversations.ids[:train][conversations.supervised[:train]])
     assert torch.equal(labels[labels != IGNORE_INDEX], learned)  # every assistant token once, in order
     one_each = ChatWindows(conversations, 256, pack=False, split="val", pad_id=0, vocab_size=256, eos_id=0)
     assert len(one_each) == 1  # the last conversation, held out
@@ -173,3 +176,23 @@ def test_fine_tuned_from_hugging_face_and_back_transformers_prompts_it_as_it_was
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(theirs(prompt).logits, ours(prompt), rtol=1e-5, atol=1e-5)
+
+
+def test_conversations_are_read_once_into_the_cache_from_json_or_parquet(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer.data.chat_windows import cached_conversations
+
+    rows = digits_conversations(30)
+    path, template = write_chat(tmp_path, rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    data = DataConfig(source="json", format="chat", path=path, chat_template=template, tokenizer="bytes",
+                      cache_dir=str(tmp_path / "cache"))
+    first = cached_conversations(data, ByteTokenizer(), 128)
+    again = cached_conversations(data, ByteTokenizer(), 128)
+    assert capsys.readouterr().out.count("data: reading the conversations") == 1
+    assert isinstance(again.ids, np.memmap) and np.array_equal(first.ids, again.ids) and len(again) == 30
+    data.source, data.path = "parquet", str(tmp_path / "chat.parquet")
+    from_parquet = cached_conversations(data, ByteTokenizer(), 128)
+    assert np.array_equal(from_parquet.ids, first.ids) and np.array_equal(from_parquet.supervised, first.supervised)

@@ -366,6 +366,7 @@ def _check_source(data: DataConfig) -> None:
         raise ConfigError(f"data.format={data.format} is unknown; choose one of {list(FORMATS)}")
     if data.overlong not in OVERLONG:
         raise ConfigError(f"data.overlong={data.overlong} is unknown; choose one of {list(OVERLONG)}")
-    if data.format != "text" and data.source != "json":
-        raise ConfigError(f"data.format={data.format} reads rows of json/jsonl files (data.source=json), not "
-                          f"{'a token file' if data.source == 'binary' else f'data.source={data.source}'}")
+    if data.format != "text" and data.source not in ("json", "parquet"):
+        given = "a token file" if data.source == "binary" else f"data.source={data.source}"
+        raise ConfigError(f"data.format={data.format} reads rows of json/jsonl or parquet files (data.source=json "
+                          f"or parquet), not {given}")

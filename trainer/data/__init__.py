@@ -14,7 +14,7 @@ import os
 
 from torch.utils.data import Dataset
 
-from trainer.data import chat
+from trainer.data import chat, chat_windows
 from trainer.data.cache import cached_tokens, check_tokenizer
 from trainer.data.embedded import EmbeddedText, sentence
 from trainer.data.hub import STREAM_VAL_WINDOWS, HubStream
@@ -46,7 +46,8 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
             print(chat.describe(conversations, data), flush=True)
         tokenizer = build_tokenizer(data.tokenizer)
         pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        return chat.ChatWindows(conversations, seq_len, data.pack, split, pad, tokenizer.vocab_size, tokenizer.eos_id)
+        return chat_windows.ChatWindows(conversations, seq_len, data.pack, split, pad, tokenizer.vocab_size,
+                                        tokenizer.eos_id)
     if data.source in ("text", "json", "parquet"):
         tokens, meta = cached_tokens(data.source, data.path, data.text_field, data.tokenizer, data.cache_dir,
                                      data.strict)
@@ -68,7 +69,7 @@ def _conversations(data, seq_len: int) -> chat.Conversations:
     key = repr((data, seq_len))
     if key not in _READ:
         _READ.clear()
-        _READ[key] = chat.read_conversations(data, build_tokenizer(data.tokenizer), seq_len)
+        _READ[key] = chat_windows.cached_conversations(data, build_tokenizer(data.tokenizer), seq_len)
     return _READ[key]
 
 

@@ -70,23 +70,18 @@ def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec
     into it first by whichever process gets there first). What the tokenizing passed over is kept
     with the cache and said again by each job that reads it (refused under `strict`)."""
     tokenizer = build_tokenizer(tokenizer_spec)
-    files = [[str(Path(p).resolve()), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in text_paths(path, source)]
+    files = source_files(path, source)
     made_of = {"format": CACHE_FORMAT, "source": source, "text_field": text_field,
                "tokenizer": tokenizer.fingerprint, "files": files}
     key = hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:24]
     folder = cache_folder(cache_dir)
     out = folder / f"{key}.bin"
-    if not Path(f"{out}.json").is_file():
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            lock = open(folder / f"{key}.lock", "w")
-        except OSError as e:
-            raise ConfigError(f"data.cache_dir={folder} cannot hold the token cache: {e}") from None
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one process tokenizes; the others wait for its file
-            if not Path(f"{out}.json").is_file():
-                print(f"data: tokenizing {len(files)} file(s) of data.path={path} once, into {out}", flush=True)
-                _tokenize(out, tokenizer, source, path, text_field, tokenizer_spec, strict)
+
+    def tokenize() -> None:
+        print(f"data: tokenizing {len(files)} file(s) of data.path={path} once, into {out}", flush=True)
+        _tokenize(out, tokenizer, source, path, text_field, tokenizer_spec, strict)
+
+    made_once(Path(f"{out}.json"), folder / f"{key}.lock", tokenize)
     tokens, meta = read_token_file(out, f"the token cache {out} (of data.path={path})")
     check_tokenizer(meta, tokenizer, f"the token cache {out} (of data.path={path})", "delete it")
     if meta.get("problems") and strict:  # cached by a lenient job: read again, to name the first problem
@@ -96,6 +91,31 @@ def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec
         for line in meta.get("problems", []):
             print(f"{line} (of data.path={path}; data.strict=true refuses them)", flush=True)
     return tokens, meta
+
+
+def source_files(path: str | None, source: str) -> list:
+    """[path, size, modification time] of each file data.path names: what a cache key is made of."""
+    return [[str(Path(p).resolve()), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in text_paths(path, source)]
+
+
+def cache_key(made_of: dict) -> str:
+    return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def made_once(done: Path, lock_file: Path, make) -> None:
+    """Calls `make` unless `done` exists, in one process of those sharing the cache folder (the others
+    wait on the lock, then find `done`). `make` must write `done` last, whole (written aside, renamed)."""
+    if done.is_file():
+        return
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_file, "w")
+    except OSError as e:
+        raise ConfigError(f"data.cache_dir={lock_file.parent} cannot hold the token cache: {e}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            make()
 
 
 def _tokenize(out: Path, tokenizer, source: str, path: str, text_field: str, tokenizer_spec: str,

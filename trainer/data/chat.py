@@ -7,9 +7,6 @@ conversation up to and including it adds to rendering the turns before it with t
 (the text a model is prompted with at inference), its trailing whitespace left out. So the loss covers
 each assistant turn's content and the end-of-turn text the template writes after it, in every turn of
 a conversation, and nothing else; a template with generation markers and one without give the same.
-
-A window is [2, seq_len + 1]: the tokens, and a flag per token (SUPERVISED: a target of the loss;
-STARTS: the first token of a conversation, where positions restart and attention stops).
 """
 
 from __future__ import annotations
@@ -18,15 +15,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from torch.utils.data import Dataset
+import numpy as np
 
-from trainer.data.readers import Problems, json_rows, text_paths
+from trainer.data.readers import Problems, file_rows, text_paths
 from trainer.errors import ConfigError
 from trainer.tokenizer import is_bytes
 
-SUPERVISED, STARTS = 1, 2
-VAL_FRACTION = 0.01  # of the conversations (the last ones, at least one) held out for validation
 FORMATS = ("text", "chat", "completion")
 OVERLONG = ("truncate", "drop")
 
@@ -65,33 +59,55 @@ def chat_template(tokenizer: str, template_file: str | None) -> tuple[str, dict]
 
 @dataclass
 class Conversations:
-    """Tokenized conversations and what their reading counted."""
+    """Tokenized conversations, one after another, and what their reading counted."""
 
-    ids: list[list[int]] = field(default_factory=list)
-    supervised: list[list[bool]] = field(default_factory=list)
+    ids: np.ndarray  # every conversation's tokens
+    supervised: np.ndarray  # bool: whether each token is a target of the loss
+    offsets: np.ndarray  # [conversations + 1]: where each starts in ids
     unsupervised: int = 0  # conversations with no token to learn, skipped
     truncated: int = 0
     dropped: int = 0
     example: str = ""  # the first conversation, its unsupervised text in [[ ]]
 
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def conversation(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        span = slice(self.offsets[i], self.offsets[i + 1])
+        return self.ids[span], self.supervised[span]
+
+    def share(self) -> float:
+        return float(self.supervised.mean()) if len(self.supervised) else 0.0
+
+
+@dataclass
+class _Reading:
+    """Conversations as they are read: kept, or counted and passed over."""
+
+    ids: list = field(default_factory=list)
+    supervised: list = field(default_factory=list)
+    counts: dict = field(default_factory=lambda: {"unsupervised": 0, "truncated": 0, "dropped": 0})
+    example: str = ""
+
     def add(self, ids: list[int], supervised: list[bool], seq_len: int, overlong: str, show) -> None:
         if not any(supervised):
-            self.unsupervised += 1
+            self.counts["unsupervised"] += 1
             return
         if len(ids) > seq_len + 1:
             if overlong == "drop":
-                self.dropped += 1
+                self.counts["dropped"] += 1
                 return
             ids, supervised = ids[:seq_len + 1], supervised[:seq_len + 1]
-            self.truncated += 1
+            self.counts["truncated"] += 1
         if not self.ids:
             self.example = show(ids, supervised)
-        self.ids.append(ids)
-        self.supervised.append(supervised)
+        self.ids.append(np.asarray(ids, dtype=np.int64))
+        self.supervised.append(np.asarray(supervised, dtype=bool))
 
-    def share(self) -> float:
-        tokens = sum(len(ids) for ids in self.ids)
-        return sum(map(sum, self.supervised)) / max(tokens, 1)
+    def done(self) -> Conversations:
+        offsets = np.concatenate([[0], np.cumsum([len(ids) for ids in self.ids])]).astype(np.int64)
+        return Conversations(np.concatenate(self.ids), np.concatenate(self.supervised), offsets, **self.counts,
+                             example=self.example)
 
 
 def marked_tokens(text: str, spans: list[tuple[int, int]], tokenizer) -> tuple[list[int], list[bool]]:
@@ -136,21 +152,18 @@ def assistant_spans(messages: list[dict], template: str, special: dict, where: s
 
 
 def conversation_rows(data, problems: Problems):
-    """(row, where) for each row of data.path's json/jsonl files."""
+    """(row, where) for each row of data.path's json/jsonl or parquet files."""
     for path in text_paths(data.path, data.source):
-        for number, row in enumerate(json_rows(path, problems), 1):
+        for number, row in enumerate(file_rows(data.source, path, problems), 1):
             yield row, f"{path} row {number}"
 
 
 def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
     """Every row of data.path as tokens with the loss's marks (see the module's docstring)."""
-    if data.source != "json":
-        raise ConfigError(f"data.format={data.format} reads json/jsonl rows (data.source=json); "
-                          f"data.source={data.source} is not supported with it yet")
     problems = Problems(strict=data.strict)
     if data.format == "chat":
         template, special = chat_template(data.tokenizer, data.chat_template)
-    conversations = Conversations()
+    reading = _Reading()
 
     def show(ids, supervised):
         pieces, run = [], []
@@ -179,53 +192,12 @@ def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
             bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
             head, tail = bos + tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eos_id]
             ids, supervised = head + tail, [False] * len(head) + [True] * len(tail)
-        conversations.add(ids, supervised, seq_len, data.overlong, show)
-    if not conversations.ids:
+        reading.add(ids, supervised, seq_len, data.overlong, show)
+    if not reading.ids:
         raise ConfigError(f"data.path={data.path}: no conversation has a token to learn (an assistant turn)")
-    if all(all(s) for s in conversations.supervised):
+    if all(s.all() for s in reading.supervised):
         raise ConfigError(f"data.path={data.path}: every token is a target: the prompts are not masked out")
-    return conversations
-
-
-class ChatWindows(Dataset):
-    """Conversations in windows of seq_len + 1 tokens [2, seq_len + 1] (tokens, flags): packed whole in
-    their order, as many as fit (`pack`), or one a window; the rest of a window is padding, learned
-    from by nothing. Split "val" is the last VAL_FRACTION of the conversations (at least one), "train"
-    the others, "all" every one."""
-
-    def __init__(self, conversations: Conversations, seq_len: int, pack: bool, split: str, pad_id: int,
-                 vocab_size: int, eos_id: int):
-        self.seq_len, self.vocab_size, self.eos_id = seq_len, vocab_size, eos_id
-        count = len(conversations.ids)
-        held_out = 0 if split == "all" else max(1, int(count * VAL_FRACTION))
-        if count <= held_out:
-            raise ConfigError(f"data: {count} conversation(s) are too few for a validation split")
-        chosen = range(count - held_out, count) if split == "val" else range(count - held_out)
-        self.windows: list[torch.Tensor] = []
-        window = self._empty(pad_id)
-        used = 0
-        for i in chosen:
-            ids, supervised = conversations.ids[i], conversations.supervised[i]
-            if used and (not pack or used + len(ids) > seq_len + 1):
-                self.windows.append(window)
-                window, used = self._empty(pad_id), 0
-            window[0, used:used + len(ids)] = torch.tensor(ids)
-            window[1, used:used + len(ids)] = torch.tensor(supervised, dtype=torch.long) * SUPERVISED
-            window[1, used] |= STARTS
-            used += len(ids)
-        self.windows.append(window)
-
-    def _empty(self, pad_id: int) -> torch.Tensor:
-        window = torch.zeros(2, self.seq_len + 1, dtype=torch.long)
-        window[0] = pad_id
-        window[1, :] = 0
-        return window
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.windows[index]
+    return reading.done()
 
 
 def describe(conversations: Conversations, data) -> str:
@@ -233,7 +205,7 @@ def describe(conversations: Conversations, data) -> str:
     counted = [f"{n} {what}" for n, what in ((conversations.truncated, "truncated"), (conversations.dropped,
                "dropped (data.overlong=drop)"), (conversations.unsupervised, "skipped, no assistant token"))
                if n]
-    return (f"data: {len(conversations.ids)} conversations (data.format={data.format}), "
+    return (f"data: {len(conversations)} conversations (data.format={data.format}), "
             f"{100 * conversations.share():.1f}% of their tokens supervised"
             f"{'; ' + ', '.join(counted) if counted else ''}\n"
             f"data: the first conversation, [[not learned]]: {conversations.example!r}")

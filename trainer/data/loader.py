@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainer.data.chat import STARTS, SUPERVISED
+from trainer.data.chat_windows import STARTS, SUPERVISED
 from trainer.data.order import as_stream, take
 from trainer.models.head import IGNORE_INDEX
 

@@ -33,16 +33,18 @@ def documents(source: str, path: str | None, text_field: str = "text",
     problems = problems if problems is not None else Problems(strict=False)
     if source == "text":
         return filter(None, (_text_file(p, problems) for p in paths))
+    return (text for p in paths for text in row_texts(file_rows(source, p, problems), text_field, p, problems))
+
+
+def file_rows(source: str, path: str, problems: Problems) -> Iterable[dict]:
+    """The rows of one json/jsonl or parquet file (parquet read with Hugging Face `datasets`)."""
     if source == "json":
-        return (text for p in paths for text in row_texts(json_rows(p, problems), text_field, p, problems))
+        return json_rows(path, problems)
+    if not _is_parquet(path, problems):
+        return ()
     import datasets
 
-    def parquet_rows(p: str) -> Iterable[dict]:
-        if not _is_parquet(p, problems):
-            return ()
-        return datasets.load_dataset("parquet", data_files=[p], split="train", streaming=True)
-
-    return (text for p in paths for text in row_texts(parquet_rows(p), text_field, p, problems))
+    return datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True)
 
 
 def _is_parquet(path: str, problems: Problems) -> bool:
