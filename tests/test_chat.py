@@ -196,3 +196,12 @@ def test_conversations_are_read_once_into_the_cache_from_json_or_parquet(tmp_pat
     data.source, data.path = "parquet", str(tmp_path / "chat.parquet")
     from_parquet = cached_conversations(data, ByteTokenizer(), 128)
     assert np.array_equal(from_parquet.ids, first.ids) and np.array_equal(from_parquet.supervised, first.supervised)
+
+
+def test_a_template_that_renders_past_turns_otherwise_still_has_each_turn_found(tmp_path):
+    """Like Qwen3's: the last assistant turn gets a reasoning block, earlier ones do not."""
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' and loop.last %}"
+                "<think></think>{% endif %}{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    text, spans = assistant_spans(CONVERSATION, template, {}, "test")
+    assert [text[a:b] for a, b in spans] == ["four<|end|>", "<think></think>seven, with \u00e9clat<|end|>"]

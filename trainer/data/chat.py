@@ -127,28 +127,42 @@ def assistant_spans(messages: list[dict], template: str, special: dict, where: s
     """The conversation's text and the character spans of its assistant turns."""
     try:
         text = render(template, messages, special, generation_prompt=False)
-        spans, start = [], 0
+        spans = []
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
             before = render(template, messages[:i], special, generation_prompt=True)
             turn = render(template, messages[:i + 1], special, generation_prompt=False)
-            if not turn.startswith(before):
+            if not turn.startswith(before) or not text.startswith(before):
                 raise ConfigError(f"data.chat_template: {where}: rendering turn {i} does not extend the text before "
                                   f"it with the generation prompt, so the assistant's text cannot be found")
-            said = turn[len(before):].rstrip()
-            # The turn as the whole conversation renders it (a template may render past turns otherwise).
-            at = text.find(said, max(start, len(before) if text.startswith(before) else start))
-            if not said or at < 0:
+            span = _turn_span(text, before, turn, message.get("content"))
+            if span is None:
                 raise ConfigError(f"data.chat_template: {where}: the template yields no text for assistant "
-                                  f"turn {i}")
-            spans.append((at, at + len(said)))
-            start = at + len(said)
+                                  f"turn {i}, or renders it in the whole conversation otherwise than last")
+            spans.append(span)
     except ConfigError:
         raise
     except Exception as e:  # Jinja's errors (a role the template rejects, a template that does not render)
         raise ConfigError(f"data.chat_template: {where}: {type(e).__name__}: {e}") from None
     return text, spans
+
+
+def _turn_span(text: str, before: str, turn: str, content) -> tuple[int, int] | None:
+    """Where an assistant turn lies in the whole conversation's `text`: from the end of `before` (the
+    text up to it, with the generation prompt) through what rendering it last (`turn`) adds, trailing
+    whitespace left out. A template may render a past turn otherwise (Qwen3's drops its reasoning
+    block): then through its content and the end-of-turn text written after the content."""
+    begin, said = len(before), turn[len(before):].rstrip()
+    if said and text.startswith(said, begin):
+        return begin, begin + len(said)
+    if not isinstance(content, str) or not content or content not in turn:
+        return None
+    at = text.find(content, begin)
+    after = turn[turn.rfind(content) + len(content):].rstrip()
+    if at < 0 or not text.startswith(after, at + len(content)):
+        return None
+    return begin, at + len(content) + len(after)
 
 
 def conversation_rows(data, problems: Problems):
