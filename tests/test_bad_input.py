@@ -140,6 +140,13 @@ MISTAKES = {
                          r"data.chat_template="),
     "a template that does not render": (lambda p: _chat(p, template="{% for m in messages %}"),
                                         r"data.chat_template: .*chat.jsonl row 1: TemplateSyntaxError: "),
+    "a template without the assistant's turns": (lambda p: _chat(p, template="{% for m in messages %}{% if m['role'] "
+                                                               "!= 'assistant' %}{{ m['content'] }}{% endif %}"
+                                                               "{% endfor %}"),
+                                                 r"data.chat_template: .*row 1: the template yields no text for "
+                                                 r"assistant turn 1"),
+    "prompts that are not masked": (lambda p: [*_chat(p, {"prompt": "", "completion": "4"}), "data.format=completion"],
+                                    r"data.path=.*chat.jsonl: every token is a target: the prompts are not masked out"),
     "chat from a token file": (lambda p: ["data.source=binary", f"data.path={p}/tokens.bin", "data.format=chat"],
                                r"data.format=chat reads rows of json/jsonl or parquet files \(data.source=json or "
                                r"parquet\), not a token file"),
