@@ -15,7 +15,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def conversations(count: int, seed: int) -> list[dict]:
+def conversations(count: int, seed: int = 0) -> list[dict]:
     r = random.Random(seed)
     rows = []
     for _ in range(count):

@@ -4,6 +4,7 @@ not learned are left out of the loss."""
 
 import json
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ from trainer.data.loader import conversation_batch
 from trainer.models.head import IGNORE_INDEX
 from trainer.tokenizer import ByteTokenizer, HFTokenizer
 
+sys.path.insert(0, str(REPO / "scripts"))
+from chat_example import conversations as digits_conversations  # noqa: E402  (1 to 3 turns, answers reversed)
+
 # A template with generation markers around what the assistant says, and the same without them.
 MARKED = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
           "{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}{% else %}{{ m['content'] }}<|end|>"
@@ -28,19 +32,6 @@ SPECIAL = ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CONVERSATION = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "two and two?"},
                 {"role": "assistant", "content": "four"}, {"role": "user", "content": "and three more?"},
                 {"role": "assistant", "content": "seven, with \u00e9clat"}]
-
-
-def digits_conversations(count: int, seed: int = 0) -> list[dict]:
-    """Conversations of 1 to 3 turns of very different lengths: digits, answered reversed."""
-    r = random.Random(seed)
-    rows = []
-    for _ in range(count):
-        messages = [{"role": "system", "content": "reverse"}] if r.random() < 0.3 else []
-        for _ in range(r.choice([1, 1, 2, 3])):
-            digits = "".join(r.choice("0123456789") for _ in range(r.randint(1, 12)))
-            messages += [{"role": "user", "content": digits}, {"role": "assistant", "content": digits[::-1]}]
-        rows.append({"messages": messages})
-    return rows
 
 
 def write_chat(folder, rows: list[dict], template: str = PLAIN) -> tuple[str, str]:
