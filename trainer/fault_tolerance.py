@@ -121,6 +121,14 @@ class OneGroup:
     def reduce(self, parameters, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
+    def shares(self) -> int:
+        """The replica shares of the global batch that reduce() averages over."""
+        return 1
+
+    def sum_counts(self, count: torch.Tensor) -> torch.Tensor:
+        """`count` (this group's) summed over the groups of the step."""
+        return count
+
     def saves_checkpoints(self) -> bool:
         return True
 
@@ -192,7 +200,7 @@ class ReplicaGroups(OneGroup):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [_local(p.grad) for p in parameters]
-        shares = self.groups if self.keep else max(self.manager.num_participants(), 1)
+        shares = self.shares()
         loss = loss.detach().float().reshape(1)
         for i, bucket in enumerate(_buckets(grads, BUCKET_BYTES // 4)):
             flat = torch.cat([g.reshape(-1).float() for g in bucket] + ([loss] if i == 0 else []))
@@ -205,6 +213,15 @@ class ReplicaGroups(OneGroup):
             if i == 0:
                 loss = flat[-1:].clone()
         return loss.reshape(())
+
+    def shares(self) -> int:
+        return self.groups if self.keep else max(self.manager.num_participants(), 1)
+
+    def sum_counts(self, count: torch.Tensor) -> torch.Tensor:
+        """Every group calls it each step, one that trains nothing too (with 0), before any forward."""
+        total = count.detach().clone().reshape(1)
+        self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
+        return total.reshape(())
 
     def saves_checkpoints(self) -> bool:
         """One group saves the job's checkpoints: the first of the step's quorum."""

@@ -25,7 +25,7 @@ from trainer.metrics import MetricsLogger, Throughput
 from trainer.optim import build_scheduler, clip_and_sum_loss_
 from trainer.parallel.dims import ParallelDims
 from trainer.parts import StepPart, StepParts
-from trainer.steps import job_loss, supervised_scale
+from trainer.steps import job_loss, supervised_count, supervised_scale
 from trainer.stop import StopRequest
 from trainer.watchdog import Watchdog
 
@@ -94,12 +94,14 @@ class Trainer:
         gradient norm, the lr); None when the replica groups did not all finish the step."""
         step, parameters = self.step, self.model.parameters
         self.parts.before_forward(step)
+        # The supervised tokens of the whole global batch (every replica share's), before any forward.
+        counts = [supervised_count(microbatches, self.dims, self.device) for microbatches in rounds]
+        self.supervised = self.replicas.sum_counts(sum(counts, torch.zeros((), dtype=torch.float64,
+                                                                           device=self.device)))
+        scale = supervised_scale(self.supervised, self.dims.view("dp_cp").size() * self.replicas.shares())
         loss = torch.zeros((), device=self.device)
-        self.supervised = torch.zeros((), dtype=torch.float64, device=self.device)  # the step's, for its record
         for microbatches in rounds:
-            scale, supervised = supervised_scale(microbatches, self.dims, self.device)
             loss = loss + self.step_fn(microbatches, scale)
-            self.supervised = self.supervised + supervised
         self.parts.after_backward(step)
         loss = self.replicas.reduce(parameters(), loss)
         grad_norm, loss_sum = clip_and_sum_loss_(parameters(), self.training.max_norm, loss)
@@ -174,7 +176,8 @@ class Trainer:
         if validate:
             self.watchdog.slow("validation")
             batches = [self.data.validation(i) for i in range(self.job.validation.steps)]
-            scale, _ = supervised_scale([m for microbatches in batches for m in microbatches], dims, self.device)
+            count = supervised_count([m for microbatches in batches for m in microbatches], dims, self.device)
+            scale = supervised_scale(count, dims.view("dp_cp").size())
             record["val_loss"] = job_loss(sum(self.eval_fn(microbatches, scale) for microbatches in batches), dims)
         self.logger.log(record)
         if self.predicted is not None and record["mem_tensor_gib"] is not None:

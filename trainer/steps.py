@@ -4,8 +4,9 @@ the job's mean loss.
 
 A step's loss is the sum of its token losses over the supervised tokens (labels not IGNORE_INDEX) of
 the global batch, divided by their number, in every layout: each rank's token losses are summed and
-scaled by supervised_scale, so that the data-parallel mean of the ranks' losses and gradients is that
-mean. With every label supervised it is the mean of the microbatches' means, as before."""
+scaled by supervised_scale, so that the data-parallel mean of the ranks' losses and gradients (and
+under fault tolerance the mean over the replica shares) is that mean. With every label supervised it
+is the mean of the microbatches' means, as before."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
 def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
                   stages: list[int], mark=lambda phase: None):
     """The forward and backward of one optimizer step, and the forward only (validation): each maps
-    this rank's microbatches and their supervised_scale to its share of the step's loss (0 on
+    this rank's microbatches and a supervised_scale to its share of the step's loss (0 on
     pipeline ranks without the last stage). The model computes the sum of its token losses itself,
     given the labels (its LMHead). `mark` is told each phase the step enters (the watchdog's)."""
     for part in parts:
@@ -68,19 +69,22 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
     return step, eval_fn
 
 
-def supervised_scale(microbatches: list, dims: ParallelDims, device: torch.device) -> tuple[torch.Tensor,
-                                                                                              torch.Tensor]:
-    """(ranks / N, N) for these microbatches of this rank: N their supervised tokens (labels not
-    IGNORE_INDEX) over the data- and context-parallel ranks, `ranks` the number of those, over which
-    losses and gradients are averaged. A rank's token losses times ranks / N then average to the mean
-    over the N tokens. N is counted from the labels on the host and summed by one all-reduce of a
-    scalar on the device: no host sync."""
+def supervised_count(microbatches: list, dims: ParallelDims, device: torch.device) -> torch.Tensor:
+    """The supervised tokens (labels not IGNORE_INDEX) of these microbatches over the data- and
+    context-parallel ranks: counted from the labels on the host, summed by one all-reduce of a scalar
+    on the device (no host sync)."""
     local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
     count = torch.tensor(float(local), dtype=torch.float64, device=device)
-    dp_cp = dims.view("dp_cp")
-    if dp_cp.size() > 1:
-        dist.all_reduce(count, group=dp_cp.get_group())
-    return (dp_cp.size() / count.clamp(min=1)).float(), count
+    if dims.view("dp_cp").size() > 1:
+        dist.all_reduce(count, group=dims.view("dp_cp").get_group())
+    return count
+
+
+def supervised_scale(count: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The factor a rank's token losses take so that, averaged over `ranks` (the data-parallel ranks,
+    and under fault tolerance the replica shares, over which losses and gradients are averaged), they
+    make the mean over `count` supervised tokens."""
+    return (ranks / count.clamp(min=1)).float()
 
 
 def train_step(model, microbatches: list, scale: torch.Tensor, *, device: torch.device, mark) -> torch.Tensor:
