@@ -148,8 +148,7 @@ MISTAKES = {
     "prompts that are not masked": (lambda p: [*_chat(p, {"prompt": "", "completion": "4"}), "data.format=completion"],
                                     r"data.path=.*chat.jsonl: every token is a target: the prompts are not masked out"),
     "chat from a token file": (lambda p: ["data.source=binary", f"data.path={p}/tokens.bin", "data.format=chat"],
-                               r"data.format=chat reads rows of json/jsonl or parquet files \(data.source=json or "
-                               r"parquet\), not a token file"),
+                               r"data.format=chat reads rows \(data.source=json, parquet or hub\), not a token file"),
     "missing resume path": (lambda p: [f"checkpoint.resume={p}/none"], r"checkpoint.resume=.*none is not a directory"),
     "unknown float8 recipe": (lambda p: ["training.float8.enabled=true", "training.float8.recipe=fast"],
                               r"training.float8.recipe=fast must be one of \['tensorwise', 'rowwise', "),

@@ -169,7 +169,7 @@ def test_fine_tuned_from_hugging_face_and_back_transformers_prompts_it_as_it_was
         torch.testing.assert_close(theirs(prompt).logits, ours(prompt), rtol=1e-5, atol=1e-5)
 
 
-def test_conversations_are_read_once_into_the_cache_from_json_or_parquet(tmp_path, capsys):
+def test_conversations_are_read_once_into_the_cache_from_json_parquet_or_the_hub(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -184,9 +184,12 @@ def test_conversations_are_read_once_into_the_cache_from_json_or_parquet(tmp_pat
     again = cached_conversations(data, ByteTokenizer(), 128)
     assert capsys.readouterr().out.count("data: reading the conversations") == 1
     assert isinstance(again.ids, np.memmap) and np.array_equal(first.ids, again.ids) and len(again) == 30
-    data.source, data.path = "parquet", str(tmp_path / "chat.parquet")
-    from_parquet = cached_conversations(data, ByteTokenizer(), 128)
-    assert np.array_equal(from_parquet.ids, first.ids) and np.array_equal(from_parquet.supervised, first.supervised)
+    (tmp_path / "hub").mkdir()  # a Hub dataset by name: here a local folder, as the Hub would serve it
+    (tmp_path / "hub" / "train.jsonl").write_text((tmp_path / "chat.jsonl").read_text())
+    for source, where in (("parquet", tmp_path / "chat.parquet"), ("hub", tmp_path / "hub")):
+        data.source, data.path = source, str(where)
+        other = cached_conversations(data, ByteTokenizer(), 128)
+        assert np.array_equal(other.ids, first.ids) and np.array_equal(other.supervised, first.supervised), source
 
 
 def test_a_template_that_renders_past_turns_otherwise_still_has_each_turn_found(tmp_path):

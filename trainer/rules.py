@@ -366,7 +366,6 @@ def _check_source(data: DataConfig) -> None:
         raise ConfigError(f"data.format={data.format} is unknown; choose one of {list(FORMATS)}")
     if data.overlong not in OVERLONG:
         raise ConfigError(f"data.overlong={data.overlong} is unknown; choose one of {list(OVERLONG)}")
-    if data.format != "text" and data.source not in ("json", "parquet"):
+    if data.format != "text" and data.source not in ("json", "parquet", "hub"):
         given = "a token file" if data.source == "binary" else f"data.source={data.source}"
-        raise ConfigError(f"data.format={data.format} reads rows of json/jsonl or parquet files (data.source=json "
-                          f"or parquet), not {given}")
+        raise ConfigError(f"data.format={data.format} reads rows (data.source=json, parquet or hub), not {given}")

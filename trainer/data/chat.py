@@ -166,7 +166,13 @@ def _turn_span(text: str, before: str, turn: str, content) -> tuple[int, int] | 
 
 
 def conversation_rows(data, problems: Problems):
-    """(row, where) for each row of data.path's json/jsonl or parquet files."""
+    """(row, where) for each row of data.path's json/jsonl or parquet files, or of the Hub dataset
+    data.path (data.subset, data.split), streamed through once."""
+    if data.source == "hub":
+        from trainer.data.hub import hub_rows
+
+        yield from ((row, f"{data.path} row {number}") for number, row in enumerate(hub_rows(data), 1))
+        return
     for path in text_paths(data.path, data.source):
         for number, row in enumerate(file_rows(data.source, path, problems), 1):
             yield row, f"{path} row {number}"

@@ -32,7 +32,10 @@ def cached_conversations(data, tokenizer, seq_len: int) -> Conversations:
     made_of = {"format": CACHE_FORMAT, "data": [data.source, data.format, data.messages_field, data.prompt_field,
                                                 data.completion_field, data.overlong, seq_len],
                "template": chat_template(data.tokenizer, data.chat_template) if data.format == "chat" else None,
-               "tokenizer": tokenizer.fingerprint, "files": source_files(data.path, data.source)}
+               "tokenizer": tokenizer.fingerprint,
+               # A Hub dataset by name (its revision is not part of it: data.cache_dir elsewhere reads it anew).
+               "files": [data.path, data.subset, data.split] if data.source == "hub"
+               else source_files(data.path, data.source)}
     key = cache_key(made_of)
     folder = cache_folder(data.cache_dir)
     out = folder / f"{key}.chat"

@@ -124,6 +124,20 @@ class HubStream(Dataset):
         return self._window(index) if self.windows is None else self.windows[index]
 
 
+def hub_rows(data) -> Iterator[dict]:
+    """Every row of the Hub dataset data.path (data.subset, data.split), streamed in order."""
+    try:
+        _check_hub_reachable(data.path)
+        import datasets
+
+        yield from datasets.load_dataset(data.path, data.subset, split=data.split, streaming=True)
+    except ConfigError:
+        raise
+    except Exception as e:  # the Hub's and datasets' many errors, one line for the user
+        raise ConfigError(f"data.path={data.path}: cannot stream the Hugging Face dataset (data.split={data.split}): "
+                          f"{type(e).__name__}: {e}".splitlines()[0]) from None
+
+
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=16).digest()
 
