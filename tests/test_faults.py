@@ -19,8 +19,9 @@ SMALL = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_
 
 @pytest.mark.multiprocess
 def test_a_stuck_rank_turns_into_a_report_from_every_rank_and_an_exit(tmp_path):
-    """Rank 1 sleeps at the start of step 3 while rank 0 waits for it in FSDP's all-gather: within
-    the step timeout both ranks print where they are, save it, and exit with the watchdog's status."""
+    """Rank 1 sleeps at the start of step 3 while rank 0 waits for it in the step's first collective
+    (the all-reduce of its supervised-token count): within the step timeout both ranks print where
+    they are, save it, and exit with the watchdog's status."""
     started = time.monotonic()
     result = launch(2, *SMALL, "training.steps=6", "distributed.step_timeout_s=3", "distributed.timeout_s=120",
                     output_dir=tmp_path, env={"TRAINER_FAULTS": "hang@3:1"}, timeout=120)
@@ -29,9 +30,10 @@ def test_a_stuck_rank_turns_into_a_report_from_every_rank_and_an_exit(tmp_path):
     report = result.stderr
     # The waiting rank names the collective it is in, on which mesh dimensions; the sleeping one
     # shows in its stack what it does instead.
-    assert "watchdog: rank 0: step 3, phase forward (microbatch 1 of 1): no progress for " in report, report[-3000:]
+    assert "watchdog: rank 0: step 3, phase counting the supervised tokens: no progress for " in report, \
+        report[-3000:]
     assert "(distributed.step_timeout_s=3)" in report
-    assert "watchdog: rank 0: last collective on dp_shard/dp/dp_shard_cp/dp_cp: all_gather #" in report
+    assert "watchdog: rank 0: last collective on dp_shard/dp/dp_shard_cp/dp_cp: all_reduce #" in report
     assert "watchdog: rank 1: step 3, phase forward: no progress for " in report
     assert "in hang_or_kill" in report.split("watchdog: rank 1: Python stacks:")[1]
     for rank in (0, 1):

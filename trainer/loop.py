@@ -95,6 +95,7 @@ class Trainer:
         step, parameters = self.step, self.model.parameters
         self.parts.before_forward(step)
         # The supervised tokens of the whole global batch (every replica share's), before any forward.
+        self.watchdog.phase("counting the supervised tokens")
         counts = [supervised_count(microbatches, self.dims, self.device) for microbatches in rounds]
         self.supervised = self.replicas.sum_counts(sum(counts, torch.zeros((), dtype=torch.float64,
                                                                            device=self.device)))
