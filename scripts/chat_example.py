@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    there = [args.out / name for name in ("chat.jsonl", "template.jinja") if (args.out / name).exists()]
+    if there:
+        raise SystemExit(f"{there[0]} exists: give another folder (nothing of yours is overwritten)")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = conversations(args.conversations, args.seed)
     (args.out / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

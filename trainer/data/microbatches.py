@@ -28,12 +28,15 @@ class StepMicrobatches:
         batches = self.loader.microbatches(step)
         if self.corrupt is not None:
             batches = self.corrupt(step + 1, batches)
-        return [
-            shard_batch(inputs, labels, self.cp_rank, self.cp,
-                        positions[0] if positions else None if self.eos_id is None
-                        else document_positions(inputs, self.eos_id))
-            for inputs, labels, *positions in batches
-        ]
+        return [shard_batch(inputs, labels, self.cp_rank, self.cp, self._positions(inputs, given))
+                for inputs, labels, *given in batches]
+
+    def _positions(self, inputs: torch.Tensor, given: list) -> torch.Tensor | None:
+        """The batch's own positions (conversations), else those in each document (data.document_mask),
+        else None (0..seq-1)."""
+        if given:
+            return given[0]
+        return None if self.eos_id is None else document_positions(inputs, self.eos_id)
 
 
 class StepData:
