@@ -89,6 +89,9 @@ RESHARDING = {
                              (2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL))],
     "mixtral_fsdp2_to_ep2_tp2": [(2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL)),
                                  (4, ("+recipe=mixtral_ep2_tp2", *MIXTRAL))],
+    # Muon's momentum buffers: sharded like the weights under FSDP, split by tensor parallel after.
+    "llama_muon_fsdp2_to_tp2": [(2, ("+recipe=llama_fsdp", *LLAMA, "optim=muon")),
+                                (2, ("+recipe=llama_tp2", *LLAMA, "optim=muon"))],
 }
 RESHARD_STEPS, SAVED_AT = 6, (3, 4)
 

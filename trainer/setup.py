@@ -57,7 +57,10 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     if f8 is not None:
         log(describe_float8(model_parts, f8))
     step_fn, eval_fn = make_step_fns(job, dims, device, model_parts, stages, watchdog.phase)
-    optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay)
+    optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay, family(job.model.family),
+                                dims.group_spanning, device)
+    if hasattr(optimizer, "describe"):
+        log(optimizer.describe())
     state = TrainState(model_parts, optimizer)
     faults = FaultInjection.from_env(rank, job.output_dir, model.parameters())
     data = build_data(job, dims, dataset, val_dataset, faults)

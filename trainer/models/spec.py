@@ -63,6 +63,8 @@ class ModelSpec:
       it has none.
     - `block_kind(cfg, index)`: blocks of one kind hold the same parameters (DeepSeek-V3's first
       blocks are dense, the others MoE): the memory plan builds one of each kind; by default all alike.
+    - `adamw_matrices`: the blocks' weight matrices that take AdamW under optim=muon (fnmatch patterns
+      of parameter names; the others take Muon): the routers by default.
     - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
     """
@@ -80,6 +82,7 @@ class ModelSpec:
     hf: HFMapping | None = None
     checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None
     block_kind: Callable[[ModelConfig, int], object] = lambda cfg, index: None
+    adamw_matrices: tuple[str, ...] = ("*.router.weight",)
 
     def block_name(self, index: int | str) -> str:
         return f"{self.blocks}.{index}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.distributed import set_timeouts
@@ -15,6 +16,7 @@ FLAT_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),  # data loading: each dp rank reads its own batch slice
     "dp_shard_cp": ("dp_shard", "cp"),  # FSDP shards over cp ranks too
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss and metric averaging
+    "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),  # Muon: the ranks holding pieces of a matrix FSDP and tp split
 }
 
 
@@ -127,6 +129,15 @@ class ParallelDims:
         """A 1-D submesh: one of MESH_DIMS or one of the flattened FLAT_VIEWS (and, for a
         mixture-of-experts model, `ep` and `dp_cp_tp`, the ranks a microbatch's tokens are spread over)."""
         return self._views[name] if name in self._views else self.mesh[name]
+
+    def group_spanning(self, ranks: tuple[int, ...]):
+        """The process group of exactly `ranks` (global ranks, this one among them) among the mesh's
+        dimensions and views; None if there is none."""
+        for name in (*MESH_DIMS, *self._views):
+            group = self.view(name).get_group()
+            if set(dist.get_process_group_ranks(group)) == set(ranks):
+                return group
+        return None
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:

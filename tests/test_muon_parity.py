@@ -1,0 +1,63 @@
+"""Muon's rows of the parity matrix: every layout reproduces the one-process Muon curve.
+
+Each weight matrix is orthogonalised whole wherever FSDP, tensor parallel or expert parallel put its
+pieces; orthogonalising each rank's piece on its own instead changes the update, and the curve moves
+far beyond these tolerances (measured once by breaking it on purpose: see the README's Muon section).
+The same runs, settings and tolerances as tests/test_parity.py's AdamW rows.
+"""
+
+import pytest
+from helpers import train_metrics
+from test_parity import (
+    CHUNKED,
+    COMMON,
+    GRAD_NORM_RTOL,
+    MOE_COMMON,
+    MOE_GRAD_NORM_RTOL,
+    MOE_RTOL,
+    PLAIN,
+    RTOL,
+    check_against,
+)
+
+MUON = ("optim=muon",)
+# name -> (ranks, recipe and overrides)
+LAYOUTS = {
+    "fsdp2": (2, ["+recipe=llama_fsdp"]),
+    "hsdp2x2": (4, ["+recipe=llama_hsdp"]),
+    "tp2": (2, ["+recipe=llama_tp2"]),  # sequence and loss parallel (the recipe's)
+    "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
+    "pp2": (2, ["+recipe=llama_fsdp", "parallel.pp=2"]),
+}
+# Mixtral's experts under expert parallel: each expert whole on its rank, orthogonalised there.
+MOE_LAYOUTS = {
+    "ep2": (2, ["+recipe=mixtral_ep"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    return train_metrics(1, "+recipe=llama_fsdp", *COMMON, *MUON, *PLAIN,
+                         output_dir=tmp_path_factory.mktemp("muon_reference"))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory) -> list[dict]:
+    return train_metrics(1, "+recipe=mixtral_ep", *MOE_COMMON, *MUON, *PLAIN,
+                         output_dir=tmp_path_factory.mktemp("muon_moe_reference"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_muon_layout_matches_single_process(layout, reference, tmp_path):
+    ranks, overrides = LAYOUTS[layout]
+    records = train_metrics(ranks, *overrides, *COMMON, *MUON, *CHUNKED, output_dir=tmp_path)
+    check_against(reference, records, f"muon {layout}", RTOL, GRAD_NORM_RTOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_muon_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
+    ranks, overrides = MOE_LAYOUTS[layout]
+    records = train_metrics(ranks, *overrides, *MOE_COMMON, *MUON, *CHUNKED, output_dir=tmp_path)
+    check_against(moe_reference, records, f"muon {layout}", MOE_RTOL, MOE_GRAD_NORM_RTOL)
