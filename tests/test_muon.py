@@ -142,7 +142,10 @@ def _exchange(rank: int, world_size: int) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    import trainer.muon_exchange
     from trainer.muon_exchange import MatrixExchange, my_box
+
+    trainer.muon_exchange.ROUND_ELEMENTS = 500  # several rounds (the parity rows run one)
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -166,7 +169,8 @@ def _exchange(rank: int, world_size: int) -> None:
         offset, shape = my_box(p)
         expected = orthogonalize(full, 5)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
         torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
-    # Each rank does a share: 2 + 2 + 3 split matrices and 8 whole experts (2 a rank).
+    assert len(exchange.parts[0][1].rounds) > 1
+    # Each rank does a share: 2 + 3 + 1 split matrices and 8 whole experts (2 a rank).
     counts = [None] * world_size
     dist.all_gather_object(counts, exchange.matrices_here())
     assert sum(counts) == 2 + 3 + 8 + 1 and max(counts) - min(counts) <= 2, counts

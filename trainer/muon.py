@@ -94,6 +94,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, group: dict, skip: torch.Tensor | None) -> None:
         # Every matrix takes part each step (the exchange is a collective); no gradient counts as zero.
+        # The update is made in the gradient's memory, which the step is the last to read.
         params, mu, lr = group["params"], group["momentum"], group["lr"]
         keep = 1.0 if skip is None else 1 - skip
         updates = []
@@ -106,12 +107,12 @@ class Muon(torch.optim.Optimizer):
             if skip is not None:
                 grad.masked_fill_(skip.bool(), 0.0)  # a non-finite gradient must not reach the buffer
             buf.lerp_(grad, keep * (1 - mu) if skip is not None else 1 - mu)
-            updates.append(grad.lerp(buf, mu) if group["nesterov"] else buf.clone())
+            updates.append(grad.lerp_(buf, mu) if group["nesterov"] else grad.copy_(buf))
         self.exchange.orthogonalize(updates, self._orthogonalize, updates)
         for p, update, scale in zip(params, updates, self.scales):
             weight = local_tensor(p)
             weight.mul_(1 - lr * group["weight_decay"] * keep)
-            weight.add_(update * (-lr * scale * keep))
+            weight.add_(update.mul_(-lr * scale * keep))
 
     def _orthogonalize(self, matrices: torch.Tensor) -> torch.Tensor:
         return orthogonalize(matrices, self.param_groups[0]["ns_steps"], self.ns_dtype)

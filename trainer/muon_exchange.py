@@ -15,6 +15,7 @@ all-reduce alone. A parameter with a leading dimension (stacked experts) is one 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # a rank's piece of a parameter: (offset, shape)
+# Elements of whole matrices a rank gathers at most in one round of the exchange (256 MiB in fp32).
+ROUND_ELEMENTS = 2**26
 
 
 def my_box(p: torch.Tensor) -> Box:
@@ -104,14 +107,17 @@ class GroupExchange:
             else:
                 shared.append(u)
         # Largest first, each to the least loaded rank: every rank computes the same deal.
-        self.owned: list[list[Unit]] = [[] for _ in range(self.n)]
+        owned: list[list[Unit]] = [[] for _ in range(self.n)]
         for u in sorted(shared, key=lambda u: -ns_flops(*self.shapes[u.param], steps)):
             owner = min(range(self.n), key=lambda r: (load[r], r))
             load[owner] += ns_flops(*self.shapes[u.param], steps)
-            self.owned[owner].append(u)
-        self.load = load
-        self.sizes = [[self._size(r, u) for u in self.owned[self.me]] for r in range(self.n)]  # received, by source
-        self.sent = [sum(self._size(self.me, u) for u in self.owned[r]) for r in range(self.n)]
+            owned[owner].append(u)
+        self.owned = owned
+        # In rounds of at most ROUND_ELEMENTS gathered on any rank (or one matrix), so that what is
+        # gathered at once stays bounded however many matrices a rank owns.
+        held = [sum(math.prod(self.shapes[u.param]) for u in mine) for mine in owned]
+        n_rounds = max(1, -(-max(held) // ROUND_ELEMENTS))
+        self.rounds = [[_share(mine, self.shapes, k, n_rounds) for mine in owned] for k in range(n_rounds)]
 
     def matrices_here(self) -> int:
         return len(self.local) + len(self.owned[self.me])
@@ -122,34 +128,43 @@ class GroupExchange:
 
     def elements_moved(self) -> int:
         """Elements this rank sends to other ranks per step, each way (the results come back alike)."""
-        return sum(size for r, size in enumerate(self.sent) if r != self.me)
+        return sum(self._size(self.me, u) for r, mine in enumerate(self.owned) if r != self.me for u in mine)
 
     def orthogonalize(self, updates: list[torch.Tensor], apply: Callable[[torch.Tensor], torch.Tensor],
                       results: list[torch.Tensor]) -> None:
-        """Writes apply(whole matrix) into `results` (local pieces, like `updates`) for every matrix of the
-        group: this rank's whole ones here, the shared ones on their owners."""
+        """Writes apply(whole matrix) into `results` (local pieces, like `updates`; they may be the
+        same tensors) for every matrix of the group: this rank's whole ones here, the shared ones on
+        their owners, round by round."""
         orthogonalize_here(self.local, self.offsets, updates, apply, results)
-        if not any(self.owned):
-            return
-        sample = updates[0]
-        send = [_at(updates, u, self.offsets).reshape(-1) for r in range(self.n) for u in self.owned[r]
-                if _piece(self.boxes[u.param][self.me], u) is not None]
-        received = sample.new_empty(sum(map(sum, self.sizes)))
-        dist.all_to_all_single(received, _cat(send, sample), [sum(s) for s in self.sizes], self.sent, group=self.group)
-        whole = [sample.new_zeros(self.shapes[u.param]) for u in self.owned[self.me]]
-        chunks = iter(received.split([size for sizes in self.sizes for size in sizes]))
-        for r in range(self.n):
-            for u, matrix in zip(self.owned[self.me], whole):
+        for owned in self.rounds:
+            if any(owned):
+                self._round(owned, updates, apply, results)
+
+    def _round(self, owned: list[list[Unit]], updates, apply, results) -> None:
+        me, ranks, sample = self.me, range(self.n), updates[0]
+        mine = owned[me]
+        received_sizes = [[self._size(r, u) for u in mine] for r in ranks]  # by source, then matrix
+        sent = [sum(self._size(me, u) for u in owned[r]) for r in ranks]
+        send = [_at(updates, u, self.offsets).reshape(-1) for r in ranks for u in owned[r]
+                if _piece(self.boxes[u.param][me], u) is not None]
+        received = sample.new_empty(sum(map(sum, received_sizes)))
+        dist.all_to_all_single(received, _cat(send, sample), [sum(s) for s in received_sizes], sent, group=self.group)
+        del send
+        whole = [sample.new_zeros(self.shapes[u.param]) for u in mine]
+        chunks = iter(received.split([size for sizes in received_sizes for size in sizes]))
+        for r in ranks:
+            for u, matrix in zip(mine, whole):
                 self._place(matrix, r, u, next(chunks))
+        del received, chunks  # at most four copies of the round's matrices at once (the plan's count)
         done = batched(apply, whole)
-        back = [done[k][piece[1], piece[2]].reshape(-1) for r in range(self.n)
-                for k, u in enumerate(self.owned[self.me])
+        del whole
+        back = [done[k][piece[1], piece[2]].reshape(-1) for r in ranks for k, u in enumerate(mine)
                 if (piece := _piece(self.boxes[u.param][r], u)) is not None]
-        returned = sample.new_empty(sum(self.sent))
-        dist.all_to_all_single(returned, _cat(back, sample), self.sent, [sum(s) for s in self.sizes], group=self.group)
-        chunks = iter(returned.split([self._size(self.me, u) for r in range(self.n) for u in self.owned[r]]))
-        for r in range(self.n):
-            for u in self.owned[r]:
+        returned = sample.new_empty(sum(sent))
+        dist.all_to_all_single(returned, _cat(back, sample), sent, [sum(s) for s in received_sizes], group=self.group)
+        chunks = iter(returned.split([self._size(me, u) for r in ranks for u in owned[r]]))
+        for r in ranks:
+            for u in owned[r]:
                 chunk = next(chunks)
                 if chunk.numel():
                     piece = _at(results, u, self.offsets)
@@ -160,6 +175,17 @@ class GroupExchange:
         if piece is not None:
             target = matrix[piece[1], piece[2]]
             target.copy_(chunk.view(target.shape))
+
+
+def _share(units: list[Unit], shapes: list[tuple[int, int]], k: int, n_rounds: int) -> list[Unit]:
+    """Round k's part of one rank's `units`: those whose running total of elements starts in the
+    k-th of `n_rounds` equal spans (every rank computes everyone's)."""
+    total, start, part = sum(math.prod(shapes[u.param]) for u in units), 0, []
+    for u in units:
+        if k * total <= start * n_rounds < (k + 1) * total:
+            part.append(u)
+        start += math.prod(shapes[u.param])
+    return part
 
 
 def _at(tensors: list[torch.Tensor], unit: Unit, offsets: list[tuple[int, ...]]) -> torch.Tensor:

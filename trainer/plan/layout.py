@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from trainer.build import build_options, build_part, one_block
 from trainer.config import JobConfig
 from trainer.models import ModelSpec, family
 from trainer.models.moe import moe_layers
+from trainer.muon import is_muon_matrix
+from trainer.muon_exchange import ns_flops
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import edge_units
 from trainer.parallel.pipeline import stage_ids
@@ -35,6 +38,13 @@ class Unit:
     name: str
     sharded: int
     gathered: int
+    # Under optim=muon: the elements of Muon's matrices among `sharded`, the largest such matrix
+    # whole, and this rank's share of one Newton-Schulz step's FLOPs (each matrix's FLOPs times the
+    # share of it held here: the exchange deals the matrices out in that proportion).
+    muon: int = 0
+    muon_largest: int = 0
+    ns_flops: float = 0.0
+    muon_moved: float = 0.0  # elements of those this rank sends to the matrices' owners (and receives back)
 
 
 @dataclass
@@ -98,7 +108,7 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
                 units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
                 per_kind[kind] = [(u, spec.block_name(first[kind])) for u in units if spec.is_block(u.name)]
                 edges = [u for u in units if not spec.is_block(u.name)]
-            units = [Unit(u.name.replace(stand_in, spec.block_name(index), 1), u.sharded, u.gathered)
+            units = [dataclasses.replace(u, name=u.name.replace(stand_in, spec.block_name(index), 1))
                      for index in blocks for u, stand_in in per_kind[spec.block_kind(job.model, index)]]
             by_stage[stage] = StageHoldings(stage, modules, units + edges, blocks)
     return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
@@ -117,22 +127,34 @@ def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool) -> list
             units.append(_unit(name, params))
             claimed |= {id(p) for p in params}
     for index, block in spec.block_modules(model).items():
+        named = {id(p): f"{spec.block_name(index)}.{n}" for n, p in block.named_parameters()}
+
+        def muon(p, named=named) -> bool:
+            return is_muon_matrix(named[id(p)], p, spec.blocks, spec.adamw_matrices)
+
         for layer in moe_layers(block) if experts_apart else []:
-            units.append(_unit(f"{spec.block_name(index)}.experts", layer.experts.parameters()))
+            units.append(_unit(f"{spec.block_name(index)}.experts", layer.experts.parameters(), muon))
             claimed |= {id(p) for p in layer.experts.parameters()}
-        units.append(_unit(spec.block_name(index), (p for p in block.parameters() if id(p) not in claimed)))
+        units.append(_unit(spec.block_name(index), (p for p in block.parameters() if id(p) not in claimed), muon))
         claimed |= {id(p) for p in block.parameters()}
     units.append(_unit("root", (p for p in model.parameters() if id(p) not in claimed)))
     return units
 
 
-def _unit(name: str, params) -> Unit:
-    sharded = gathered = 0
+def _unit(name: str, params, muon=lambda p: False) -> Unit:
+    unit = Unit(name, 0, 0)
     for p in params:
         local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-        sharded += local
-        gathered += local * _fsdp_factor(p)
-    return Unit(name, sharded, gathered)
+        unit.sharded += local
+        unit.gathered += local * _fsdp_factor(p)
+        if muon(p):
+            rows, cols = p.shape[-2:]
+            unit.muon += local
+            unit.muon_largest = max(unit.muon_largest, rows * cols)
+            held = math.prod((p.to_local() if isinstance(p, DTensor) else p).shape[-2:])
+            unit.ns_flops += ns_flops(rows, cols, 1) * local / (rows * cols)
+            unit.muon_moved += local * (1 - held / (rows * cols))  # a matrix split n ways: (n - 1) / n
+    return unit
 
 
 def _fsdp_factor(p: torch.Tensor) -> int:

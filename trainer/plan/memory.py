@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.models.costs import FP32, Costs, Shapes
+from trainer.muon_exchange import ROUND_ELEMENTS
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE
 from trainer.plan.layout import StageHoldings
 
@@ -25,7 +26,7 @@ class RankMemory:
     pp_rank: int
     params: float  # sharded fp32 parameters
     grads: float  # sharded fp32 gradients
-    optimizer: float  # AdamW's two moments
+    optimizer: float  # AdamW's two moments (Muon's matrices: one momentum buffer)
     gathered: float  # parameters FSDP holds unsharded (compute dtype)
     activations: float  # saved for backward, at the start of backward
     buffers: float  # communication and transient buffers
@@ -120,13 +121,14 @@ def saved_activations(costs: Costs, s: Shapes, blocks: list[int], n_stages: int,
 def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
                 param_bytes: int, has_loss: bool, selective_policy: str = "half_mm",
-                float8: str | None = None, float8_share: float = 0.0) -> RankMemory:
+                float8: str | None = None, float8_share: float = 0.0, muon: bool = False) -> RankMemory:
     """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
-    float8 linear layers (the experts' grouped GEMMs are not)."""
+    float8 linear layers (the experts' grouped GEMMs are not); `muon`: optim=muon."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     params = sharded * FP32
     grads = sharded * FP32
-    optimizer = 2 * sharded * FP32
+    in_muon = sum(u.muon for stage in stages for u in stage.units) if muon else 0
+    optimizer = (2 * sharded - in_muon) * FP32
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     edges = ("embedding", "head", "root")
     in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0
@@ -171,7 +173,13 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
 
     start_of_backward = params + optimizer + gathered + activations + buffers + held_grads
-    # The fused AdamW update works in place, tensor by tensor: no temporary worth counting.
+    # The fused AdamW update works in place, tensor by tensor: no temporary worth counting. Muon's
+    # update takes the gradients' place; the matrices this rank orthogonalises in one round of the
+    # exchange (about as many elements as it holds, at most ROUND_ELEMENTS or the largest matrix)
+    # are held received, gathered, in the iteration and sent back: four copies at most.
     optimizer_step = params + optimizer + grads
+    if in_muon:
+        largest = max(u.muon_largest for stage in stages for u in stage.units)
+        optimizer_step += 4 * min(in_muon, max(ROUND_ELEMENTS, largest)) * FP32
     return RankMemory(pp_rank, params, grads, optimizer, gathered, activations, buffers,
                       max(start_of_backward, optimizer_step))

@@ -35,6 +35,7 @@ class StepTime:
     cp_s: float  # the ring's K/V passes (half hidden behind the blocks' attention)
     ep_s: float  # expert all-to-alls (exposed)
     pp_s: float  # stage-to-stage sends (exposed)
+    optimizer_s: float  # Muon's Newton-Schulz iterations and its exchange of matrices (exposed)
     bubble: float  # the pipeline's idle share of the step
     step_s: float
 
@@ -58,9 +59,11 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
               grad_bytes: float, sharded_grad_bytes: float, act_stream_bytes: float, kv_bytes: float,
               expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int,
               recompute: float, selective: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
-              moe: bool = False) -> StepTime:
+              moe: bool = False, ns_flops: float = 0.0, ns_tflops: float = 0.0, muon_bytes: float = 0.0) -> StepTime:
     """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py);
-    `recompute` is the share of blocks whose forward runs again in backward."""
+    `recompute` is the share of blocks whose forward runs again in backward. Muon: this rank's
+    Newton-Schulz FLOPs a step, at `ns_tflops` peak, and the bytes of matrix pieces it sends (and
+    receives back) over the FSDP x tp group."""
     kind = "gpu" if device.name != "cpu" else "cpu" if dims.world_size == dims.pp else "cpu_collectives"
     moe_share = MOE_EFFICIENCY["gpu" if kind == "gpu" else "cpu"] if moe else 1.0
     peak = dtype_peak_tflops * 1e12 * COMPUTE_EFFICIENCY[kind] * moe_share
@@ -97,8 +100,11 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
         pp_link = link_gbps(device, tp * cp * dp_shard * dp_rep, dims.pp)
         pp_s = 2 * act_stream_bytes * microbatches_per_rank * per_rank_stages / (pp_link * 1e9)
         bubble = pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches)
-    exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s
-    return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, bubble, exposed / (1 - bubble))
+    optimizer_s = ns_flops / (ns_tflops * 1e12 * COMPUTE_EFFICIENCY[kind]) if ns_flops else 0.0
+    # Each rank's pieces to their owners and back: two all-to-alls over the ranks sharing the matrices.
+    optimizer_s += 2 * muon_bytes / (link_gbps(device, 1, fsdp_ranks * tp) * 1e9)
+    exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s + optimizer_s
+    return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, optimizer_s, bubble, exposed / (1 - bubble))
 
 
 def pipeline_bubble(schedule: str, pp: int, per_rank: int, n_microbatches: int) -> float:
