@@ -100,9 +100,11 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
         pp_link = link_gbps(device, tp * cp * dp_shard * dp_rep, dims.pp)
         pp_s = 2 * act_stream_bytes * microbatches_per_rank * per_rank_stages / (pp_link * 1e9)
         bubble = pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches)
-    optimizer_s = ns_flops / (ns_tflops * 1e12 * COMPUTE_EFFICIENCY[kind]) if ns_flops else 0.0
-    # Each rank's pieces to their owners and back: two all-to-alls over the ranks sharing the matrices.
-    optimizer_s += 2 * muon_bytes / (link_gbps(device, 1, fsdp_ranks * tp) * 1e9)
+    optimizer_s = 0.0
+    if ns_flops:  # nan where the device's peak is unknown, as for compute
+        optimizer_s = ns_flops / (ns_tflops * 1e12 * COMPUTE_EFFICIENCY[kind]) if ns_tflops > 0 else float("nan")
+    if muon_bytes:  # each rank's pieces to their owners and back: two all-to-alls over the ranks sharing them
+        optimizer_s += 2 * muon_bytes / (link_gbps(device, 1, fsdp_ranks * tp) * 1e9)
     exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s + optimizer_s
     return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, optimizer_s, bubble, exposed / (1 - bubble))
 
