@@ -37,6 +37,12 @@ def test_reruns_keep_what_is_there(tmp_path):
     assert changed.returncode == 2 and changed.stderr.count("config error:") == 1, changed.stderr[-2000:]
     assert "training.lr=0.001 -> 0.0003, training.seed=0 -> 7" in changed.stderr
     assert "Traceback" not in changed.stderr
+    # Another optimizer cannot take the saved state, whatever the flags: its weights can start a new run.
+    switched = launch(1, *RUN, "training.steps=4", "optim=muon", "checkpoint.allow_config_change=true",
+                      output_dir=out, timeout=180)
+    assert switched.returncode == 2 and switched.stderr.count("config error:") == 1, switched.stderr[-2000:]
+    assert f"optim.name=muon cannot take; choose another output_dir and start from their weights with " \
+           f"checkpoint.initial={out / 'checkpoints' / 'step_4'}" in switched.stderr
     assert (out / "config.yaml").read_bytes() == config
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 

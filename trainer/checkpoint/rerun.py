@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.folders import MANIFEST, checkpoint_steps
-from trainer.config import CheckpointConfig, ModelConfig, shape_keys
+from trainer.config import CheckpointConfig, JobConfig, ModelConfig, shape_keys
 from trainer.errors import ConfigError
 from trainer.models import model_config
 from trainer.optim import lr_lambda
@@ -17,6 +17,9 @@ from trainer.optim import lr_lambda
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size", "training.lr",
                  "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",
                  "training.mixed_precision.")
+
+# Keys added since configs were first saved (Muon's); a saved config without them had their defaults.
+NEWER_KEYS = ("optim.momentum", "optim.nesterov", "optim.ns_steps", "optim.ns_dtype", "optim.muon.")
 
 
 def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> str | None:
@@ -30,6 +33,9 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
     if not saved_file.is_file() or not steps:
         return None
     (saved, saved_model), (now, model) = _read(OmegaConf.to_container(OmegaConf.load(saved_file))), _read(config)
+    # A key this version added is read as its default from a config.yaml written before it.
+    saved = {**{k: v for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig))).items()
+                if k.startswith(NEWER_KEYS)}, **saved}
     changed = [f"{key}={saved.get(key)} -> {now.get(key)}" for key in sorted(saved.keys() | now.keys())
                if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
     # The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
@@ -39,6 +45,12 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
                           f"({', '.join(c for c in changed if c.startswith(shape))}), which cannot be "
                           f"resumed with this one; choose another output_dir (checkpoint.initial=... takes "
                           f"weights of the same shape only)")
+    if saved.get("optim.name") != now.get("optim.name"):  # AdamW's moments are not Muon's momentum
+        raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with optim.name="
+                          f"{saved.get('optim.name')}, whose optimizer state optim.name={now.get('optim.name')} "
+                          f"cannot take; choose another "
+                          f"output_dir and start from their weights with checkpoint.initial="
+                          f"{Path(output_dir) / 'checkpoints' / f'step_{steps[-1]}'}")
     if changed and not checkpoint.allow_config_change:
         raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with other settings "
                           f"({', '.join(changed[:8])}); choose another output_dir, or set "
