@@ -206,14 +206,18 @@ def _cat(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def batched(apply: Callable[[torch.Tensor], torch.Tensor], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-    """apply() over `matrices`, those of one shape stacked into one batch; in their order."""
+    """apply() over `matrices`, those of one shape stacked into batches of at most ROUND_ELEMENTS (or
+    one matrix); in their order."""
     out: list = [None] * len(matrices)
     by_shape: dict[tuple, list[int]] = {}
     for k, m in enumerate(matrices):
         by_shape.setdefault(tuple(m.shape), []).append(k)
-    for ks in by_shape.values():
-        for k, result in zip(ks, apply(torch.stack([matrices[k] for k in ks]))):
-            out[k] = result
+    for shape, ks in by_shape.items():
+        per_batch = max(1, ROUND_ELEMENTS // math.prod(shape))
+        for start in range(0, len(ks), per_batch):
+            batch = ks[start:start + per_batch]
+            for k, result in zip(batch, apply(torch.stack([matrices[k] for k in batch]))):
+                out[k] = result
     return out
 
 
