@@ -34,8 +34,9 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
         return None
     (saved, saved_model), (now, model) = _read(OmegaConf.to_container(OmegaConf.load(saved_file))), _read(config)
     # A key this version added is read as its default from a config.yaml written before it.
-    saved = {**{k: v for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig))).items()
-                if k.startswith(NEWER_KEYS)}, **saved}
+    newer = {k: v for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig))).items()
+             if k.startswith(NEWER_KEYS)}
+    saved, now = {**newer, **saved}, {**newer, **now}
     changed = [f"{key}={saved.get(key)} -> {now.get(key)}" for key in sorted(saved.keys() | now.keys())
                if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
     # The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
