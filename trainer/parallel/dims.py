@@ -16,8 +16,9 @@ FLAT_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),  # data loading: each dp rank reads its own batch slice
     "dp_shard_cp": ("dp_shard", "cp"),  # FSDP shards over cp ranks too
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss and metric averaging
-    "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),  # Muon: the ranks holding pieces of a matrix FSDP and tp split
 }
+# Muon gathers a matrix FSDP and tensor parallel both split over the ranks holding its pieces.
+FSDP_TP_VIEW = ("dp_shard_cp_tp", ("dp_shard", "cp", "tp"))
 
 
 def _flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -97,6 +98,9 @@ class ParallelDims:
         self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
         # torch wants flattened views kept by whoever made them, not sliced again from the root.
         self._views = {name: _flatten(self._mesh[dims], name) for name, dims in FLAT_VIEWS.items()}
+        if self.tp_enabled and self.dp_shard * self.cp > 1:
+            name, dims = FSDP_TP_VIEW
+            self._views[name] = _flatten(self._mesh[dims], name)
         if self.dp_replicate_enabled:
             # HSDP shards over dp_shard x cp within each replica: dp_cp split into (replicas, shards).
             shape = (self.dp_replicate, self.dp_shard * self.cp)
