@@ -21,17 +21,15 @@ from test_parity import (
 )
 
 MUON = ("optim=muon",)
-# name -> (ranks, recipe and overrides)
+# name -> (ranks, recipe and overrides, whether it is the MoE model); Mixtral's experts under expert
+# parallel are each whole on their rank, orthogonalised there.
 LAYOUTS = {
-    "fsdp2": (2, ["+recipe=llama_fsdp"]),
-    "hsdp2x2": (4, ["+recipe=llama_hsdp"]),
-    "tp2": (2, ["+recipe=llama_tp2"]),  # sequence and loss parallel (the recipe's)
-    "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
-    "pp2": (2, ["+recipe=llama_fsdp", "parallel.pp=2"]),
-}
-# Mixtral's experts under expert parallel: each expert whole on its rank, orthogonalised there.
-MOE_LAYOUTS = {
-    "ep2": (2, ["+recipe=mixtral_ep"]),
+    "fsdp2": (2, ["+recipe=llama_fsdp"], False),
+    "hsdp2x2": (4, ["+recipe=llama_hsdp"], False),
+    "tp2": (2, ["+recipe=llama_tp2"], False),  # sequence and loss parallel (the recipe's)
+    "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"], False),
+    "pp2": (2, ["+recipe=llama_fsdp", "parallel.pp=2"], False),
+    "ep2": (2, ["+recipe=mixtral_ep"], True),
 }
 
 
@@ -49,15 +47,10 @@ def moe_reference(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_muon_layout_matches_single_process(layout, reference, tmp_path):
-    ranks, overrides = LAYOUTS[layout]
-    records = train_metrics(ranks, *overrides, *COMMON, *MUON, *CHUNKED, output_dir=tmp_path)
-    check_against(reference, records, f"muon {layout}", RTOL, GRAD_NORM_RTOL)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", MOE_LAYOUTS)
-def test_muon_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
-    ranks, overrides = MOE_LAYOUTS[layout]
-    records = train_metrics(ranks, *overrides, *MOE_COMMON, *MUON, *CHUNKED, output_dir=tmp_path)
-    check_against(moe_reference, records, f"muon {layout}", MOE_RTOL, MOE_GRAD_NORM_RTOL)
+def test_muon_layout_matches_single_process(layout, request, tmp_path):
+    ranks, overrides, moe = LAYOUTS[layout]
+    common = MOE_COMMON if moe else COMMON
+    records = train_metrics(ranks, *overrides, *common, *MUON, *CHUNKED, output_dir=tmp_path)
+    reference = request.getfixturevalue("moe_reference" if moe else "reference")
+    tolerances = (MOE_RTOL, MOE_GRAD_NORM_RTOL) if moe else (RTOL, GRAD_NORM_RTOL)
+    check_against(reference, records, f"muon {layout}", *tolerances)
