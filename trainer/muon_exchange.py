@@ -117,7 +117,8 @@ class GroupExchange:
         # gathered at once stays bounded however many matrices a rank owns.
         held = [sum(math.prod(self.shapes[u.param]) for u in mine) for mine in owned]
         n_rounds = max(1, -(-max(held) // ROUND_ELEMENTS))
-        self.rounds = [[_share(mine, self.shapes, k, n_rounds) for mine in owned] for k in range(n_rounds)]
+        self.rounds = [Round(self, [_share(mine, self.shapes, k, n_rounds) for mine in owned])
+                       for k in range(n_rounds)]
 
     def matrices_here(self) -> int:
         return len(self.local) + len(self.owned[self.me])
@@ -136,45 +137,47 @@ class GroupExchange:
         same tensors) for every matrix of the group: this rank's whole ones here, the shared ones on
         their owners, round by round."""
         orthogonalize_here(self.local, self.offsets, updates, apply, results)
-        for owned in self.rounds:
-            if any(owned):
-                self._round(owned, updates, apply, results)
+        for one in self.rounds:
+            if any(one.owned):
+                self._round(one, updates, apply, results)
 
-    def _round(self, owned: list[list[Unit]], updates, apply, results) -> None:
-        me, ranks, sample = self.me, range(self.n), updates[0]
-        mine = owned[me]
-        received_sizes = [[self._size(r, u) for u in mine] for r in ranks]  # by source, then matrix
-        sent = [sum(self._size(me, u) for u in owned[r]) for r in ranks]
-        send = [_at(updates, u, self.offsets).reshape(-1) for r in ranks for u in owned[r]
-                if _piece(self.boxes[u.param][me], u) is not None]
-        received = sample.new_empty(sum(map(sum, received_sizes)))
-        dist.all_to_all_single(received, _cat(send, sample), [sum(s) for s in received_sizes], sent, group=self.group)
+    def _round(self, one: Round, updates, apply, results) -> None:
+        sample = updates[0]
+        send = [_at(updates, u, self.offsets).reshape(-1) for u in one.sent_units]
+        received = sample.new_empty(sum(one.received))
+        dist.all_to_all_single(received, _cat(send, sample), one.received, one.sent, group=self.group)
         del send
-        whole = [sample.new_zeros(self.shapes[u.param]) for u in mine]
-        chunks = iter(received.split([size for sizes in received_sizes for size in sizes]))
-        for r in ranks:
-            for u, matrix in zip(mine, whole):
-                self._place(matrix, r, u, next(chunks))
-        del received, chunks  # at most four copies of the round's matrices at once (the plan's count)
+        whole = [sample.new_zeros(self.shapes[u.param]) for u in one.owned[self.me]]
+        sizes = [(rows.stop - rows.start) * (cols.stop - cols.start) for _, _, rows, cols in one.pieces]
+        for (_, k, rows, cols), chunk in zip(one.pieces, received.split(sizes)):
+            whole[k][rows, cols].copy_(chunk.view(rows.stop - rows.start, cols.stop - cols.start))
+        del received  # at most four copies of the round's matrices at once (the plan's count)
         done = batched(apply, whole)
         del whole
-        back = [done[k][piece[1], piece[2]].reshape(-1) for r in ranks for k, u in enumerate(mine)
-                if (piece := _piece(self.boxes[u.param][r], u)) is not None]
-        returned = sample.new_empty(sum(sent))
-        dist.all_to_all_single(returned, _cat(back, sample), sent, [sum(s) for s in received_sizes], group=self.group)
-        chunks = iter(returned.split([self._size(me, u) for r in ranks for u in owned[r]]))
-        for r in ranks:
-            for u in owned[r]:
-                chunk = next(chunks)
-                if chunk.numel():
-                    piece = _at(results, u, self.offsets)
-                    piece.copy_(chunk.view_as(piece))
+        back = [done[k][rows, cols].reshape(-1) for _, k, rows, cols in one.pieces]
+        returned = sample.new_empty(sum(one.sent))
+        dist.all_to_all_single(returned, _cat(back, sample), one.sent, one.received, group=self.group)
+        for u, chunk in zip(one.sent_units, returned.split(one.sent_sizes)):
+            piece = _at(results, u, self.offsets)
+            piece.copy_(chunk.view_as(piece))
 
-    def _place(self, matrix: torch.Tensor, rank: int, unit: Unit, chunk: torch.Tensor) -> None:
-        piece = _piece(self.boxes[unit.param][rank], unit)
-        if piece is not None:
-            target = matrix[piece[1], piece[2]]
-            target.copy_(chunk.view(target.shape))
+
+class Round:
+    """One round of a group's exchange: the matrices each rank owns in it, and what this rank sends
+    and receives, in the order the all-to-alls carry them (computed once, at start-up)."""
+
+    def __init__(self, exchange: GroupExchange, owned: list[list[Unit]]):
+        me, ranks = exchange.me, range(exchange.n)
+        self.owned = owned
+        # Out: this rank's pieces of every owner's matrices, by owner (the results come back alike).
+        self.sent_units = [u for r in ranks for u in owned[r] if exchange._size(me, u)]
+        self.sent_sizes = [exchange._size(me, u) for u in self.sent_units]
+        self.sent = [sum(exchange._size(me, u) for u in owned[r]) for r in ranks]
+        # In: every rank's pieces of this rank's matrices, by source (the results go back alike): the
+        # matrix (its index among this rank's) and the rows and columns of each.
+        self.pieces = [(r, k, piece[1], piece[2]) for r in ranks for k, u in enumerate(owned[me])
+                       if (piece := _piece(exchange.boxes[u.param][r], u)) is not None]
+        self.received = [sum(exchange._size(r, u) for u in owned[me]) for r in ranks]
 
 
 def _share(units: list[Unit], shapes: list[tuple[int, int]], k: int, n_rounds: int) -> list[Unit]:
@@ -233,6 +236,8 @@ class MatrixExchange:
         for ranks in sorted(by_ranks):
             ks = by_ranks[ranks]
             group = group_of(ranks) if len(ranks) > 1 else None
+            if len(ranks) > 1 and group is None:  # each rank would orthogonalise its piece: a wrong update
+                raise RuntimeError(f"Muon: no process group spans ranks {list(ranks)}, which share parameters")
             exchange = GroupExchange([params[k] for k in ks], group, steps) if group is not None \
                 else LocalMatrices([params[k] for k in ks])
             self.parts.append((ks, exchange))
