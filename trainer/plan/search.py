@@ -70,13 +70,13 @@ def parameter_counts(job: JobConfig) -> tuple[int, int]:
     return count_params(model), experts
 
 
-def states_bound(counts: tuple[int, int], layout: dict) -> float:
+def states_bound(counts: tuple[int, int], layout: dict, per_param: int = 16) -> float:
     """A lower bound of a rank's peak under `layout`: its share of the fp32 parameters, gradients and
-    AdamW's two moments (16 bytes a parameter), the experts sharded over pp x dp_shard x cp, the rest
-    also over tp."""
+    optimizer state (`per_param` bytes: 16 with AdamW's two moments, at least 12 under Muon's one), the
+    experts sharded over pp x dp_shard x cp, the rest also over tp."""
     total, experts = counts
     shards = layout["parallel.pp"] * layout["parallel.dp_shard"] * layout["parallel.cp"]
-    return 16 * (experts / shards + (total - experts) / (shards * layout["parallel.tp"]))
+    return per_param * (experts / shards + (total - experts) / (shards * layout["parallel.tp"]))
 
 
 def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]:
@@ -86,8 +86,9 @@ def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
     counts, usable = parameter_counts(job), device.memory_gib * GIB * (1 - MARGIN)
+    per_param = 12 if job.optim.name == "muon" else 16
     for layout in candidates(job, gpus, device):
-        if states_bound(counts, layout) > usable:
+        if states_bound(counts, layout, per_param) > usable:
             rejected["parameter states over the memory"] += 1
             continue
         for accum in _powers_of_two(job.training.global_batch_size):
