@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.overrides import job_config
 from trainer.plan import GIB, make_plan
-from trainer.plan.devices import local_device, measure_cpu
+from trainer.plan.devices import get_device, local_device, measure_cpu
+from trainer.plan.search import search
 from trainer.rules import check_job
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -120,6 +121,15 @@ def test_search_ranks_layouts_that_fit(capsys):
         overrides = [f"{k}={'null' if v is None else v}" for k, v in p["overrides"].items()]
         check_job(job_of("model=llama3_1b", "model.tie_embeddings=false", "training.seq_len=4096",
                          "training.global_batch_size=32", *overrides), 8)
+
+
+def test_search_is_fast_enough_to_run_at_launch():
+    """Llama 3 8B on 64 H100s: every layout planned in seconds (measured 3.8 s; Qwen3-235B-A22B on 256:
+    16 s), HSDP's replicas sharing one replica's holdings."""
+    job = job_of("model=llama3_8b")
+    start = time.perf_counter()
+    results = search(job, 64, get_device("h100"))
+    assert results and time.perf_counter() - start < 15
 
 
 def test_search_answers_for_qwen3_moe(capsys):

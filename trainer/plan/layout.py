@@ -77,14 +77,16 @@ _CACHE: dict[str, list[list[StageHoldings]]] = {}
 
 
 def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
-    """For each pipeline rank, the stages it holds and their FSDP units (a fake world of the job's size)."""
+    """For each pipeline rank, the stages it holds and their FSDP units (a fake world of one replica's
+    size: HSDP's replicas hold the same shards, so a layout's holdings serve it with any number of them)."""
+    parallel = dataclasses.replace(job.parallel, pp_microbatches=None, dp_replicate=1)
+    replica = dataclasses.replace(dims, dp_replicate=1, world_size=dims.world_size // dims.dp_replicate)
     # What a rank holds depends on the model and the layout, not on batch or microbatches.
-    key = repr((job.model, dataclasses.replace(job.parallel, pp_microbatches=None), dims.shape, dims.ep,
-                job.data.document_mask))
+    key = repr((job.model, parallel, replica.shape, replica.ep, job.data.document_mask))
     if key not in _CACHE:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        _CACHE[key] = _holdings(job, dims)
+        _CACHE[key] = _holdings(dataclasses.replace(job, parallel=parallel), replica)
     return _CACHE[key]
 
 
