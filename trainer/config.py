@@ -63,6 +63,9 @@ def shape_keys(model: ModelConfig) -> list[str]:
 
 @dataclass
 class ParallelConfig:
+    # true (parallel=auto): the degrees below, the pipeline schedule, the checkpointing mode and the
+    # accumulation are chosen at launch by the plan's search; those given on the command line are kept.
+    auto: bool = False
     dp_replicate: int = 1
     dp_shard: int = -1
     cp: int = 1

@@ -21,10 +21,12 @@ from trainer.distributed import init_distributed, resolve_device, shutdown, worl
 from trainer.errors import ConfigError, TrainingStopped
 from trainer.fault_tolerance import check_lighthouse, group_output_dir, group_view
 from trainer.output import OutputLock, check_writable
-from trainer.overrides import job_config
+from trainer.overrides import command_line, job_config
 from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
+from trainer.plan.auto import auto_device, choose_layout, pinned_keys
 from trainer.plan.devices import local_device
+from trainer.plan.search import apply_overrides
 from trainer.rules import check_config
 from trainer.setup import build_trainer
 from trainer.tokenizer import is_bytes
@@ -54,8 +56,10 @@ def run(cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["tokenizer"] = tokenizer
     config["model"] = OmegaConf.to_container(OmegaConf.structured(job.model))
-    dims = check_config(job, world_size())
     device = resolve_device(job.device)
+    if job.parallel.auto:
+        job = choose_auto_layout(job, config, device)
+    dims = check_config(job, world_size())
     checkpoint = job.checkpoint
     check_lighthouse(job)
     schedule_change = check_rerun(config, checkpoint, job.output_dir)
@@ -95,6 +99,33 @@ def run(cfg: DictConfig) -> None:
         if lock is not None:
             lock.release()
         shutdown()
+
+
+def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> JobConfig:
+    """parallel=auto: the job in the layout the search chose (config, saved as config.yaml, records it)."""
+    if job.fault_tolerance.enabled:
+        raise ConfigError("parallel=auto cannot be combined with fault_tolerance.enabled=true: each replica group "
+                          "would choose its own layout; give the degrees")
+    target = auto_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # In a process of its own, as the memory check: the search builds fake worlds (see check_memory).
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        chosen, said, error = pool.apply(_choose, (job, world_size(), target, pinned_keys(command_line())))
+    if error is not None:
+        raise ConfigError(error)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(said, flush=True)
+    for key, value in chosen.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    return apply_overrides(job, chosen)
+
+
+def _choose(job: JobConfig, world: int, device, pinned: dict) -> tuple[dict | None, str | None, str | None]:
+    try:
+        _, chosen, said = choose_layout(job, world, device, pinned)
+    except ConfigError as e:
+        return None, None, str(e)
+    return chosen, said, None
 
 
 def check_memory(job: JobConfig, dims: ParallelDims, device: torch.device) -> float:

@@ -70,6 +70,16 @@ def compose_job(overrides: list[str]) -> JobConfig:
         raise ConfigError(_composition_message(e)) from None
 
 
+def command_line() -> list[str]:
+    """The overrides the running Hydra app was given (none outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # not inside a Hydra app
+        return []
+
+
 def job_config(cfg: DictConfig) -> JobConfig:
     """The composed config `cfg` as a JobConfig, its model section an instance of its family's config
     class (trainer.models.model_config); the modules of `imports` are imported first, as a family

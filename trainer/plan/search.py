@@ -52,7 +52,7 @@ def candidates(job: JobConfig, gpus: int, device: Device):
                                 yield overrides
 
 
-def _apply(job: JobConfig, overrides: dict) -> JobConfig:
+def apply_overrides(job: JobConfig, overrides: dict) -> JobConfig:
     """`job` with `overrides` (section.key -> value): new copies of the sections they touch, the others
     shared (a deep copy of the whole job a candidate was a third of the search's time)."""
     sections: dict[str, dict] = {}
@@ -79,9 +79,12 @@ def states_bound(counts: tuple[int, int], layout: dict, per_param: int = 16) -> 
     return per_param * (experts / shards + (total - experts) / (shards * layout["parallel.tp"]))
 
 
-def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]:
+def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | None = None,
+           who: str = "--search") -> list[tuple[Plan, dict]]:
     """Plans that fit, best first, each with the overrides that give it. A layout whose parameter
-    states alone exceed the device's memory is not planned."""
+    states alone exceed the device's memory is not planned; one that sets a `pinned` key (its value
+    as written on a command line) otherwise is not tried. `who` names the asker in a config error."""
+    pinned = {key: value for key, value in (pinned or {}).items() if value != "-1"}  # -1: the rest, not a pin
     fitting: list[tuple[Plan, dict]] = []
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
@@ -98,7 +101,10 @@ def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]
                 if mb_factor is not None:
                     n_stages = layout["parallel.pp"] * layout["parallel.pp_stages_per_rank"]
                     overrides["parallel.pp_microbatches"] = n_stages * mb_factor
-                candidate = _apply(job, overrides)
+                if not keeps(overrides, pinned):
+                    rejected["a pinned key"] += 1
+                    continue
+                candidate = apply_overrides(job, overrides)
                 try:
                     dims = check_job(candidate, gpus)
                 except ConfigError as e:
@@ -117,11 +123,21 @@ def search(job: JobConfig, gpus: int, device: Device) -> list[tuple[Plan, dict]]
         closest = ""
         if best_misfit is not None:
             closest = (f"; the smallest peak is {best_misfit[0] / GIB:.1f} GiB of {device.memory_gib * 0.9:.1f} usable "
-                       f"({_describe(best_misfit[1])})")
-        raise ConfigError(f"--search: no layout of {job.model.name} on {gpus} x {device.name} fits{closest}; "
+                       f"({describe_layout(best_misfit[1])})")
+        kept = f" with {' '.join(f'{k}={v}' for k, v in pinned.items())} kept" if pinned else ""
+        raise ConfigError(f"{who}: no layout of {job.model.name} on {gpus} x {device.name}{kept} fits{closest}; "
                           f"rules that ruled out candidates: {reasons or 'none'}")
     fitting.sort(key=lambda item: (-item[0].tokens_per_s, item[0].peak))
     return fitting
+
+
+def keeps(overrides: dict, pinned: dict[str, str]) -> bool:
+    """Whether `overrides` agrees with every pinned key it sets."""
+    return all(key not in overrides or _as_written(overrides[key]) == value for key, value in pinned.items())
+
+
+def _as_written(value) -> str:
+    return "null" if value is None else str(value)
 
 
 def _rule(message: str) -> str:
@@ -129,7 +145,7 @@ def _rule(message: str) -> str:
     return message.split("=")[0].split(":")[0]
 
 
-def _describe(overrides: dict) -> str:
+def describe_layout(overrides: dict) -> str:
     short = {"parallel.dp_replicate": "rep", "parallel.dp_shard": "shard", "parallel.tp": "tp", "parallel.cp": "cp",
              "parallel.pp": "pp", "parallel.ep": "ep", "training.activation_checkpoint": "ac",
              "training.grad_accum_steps": "accum", "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched"}
@@ -149,7 +165,7 @@ def format_search(results: list[tuple[Plan, dict]], job: JobConfig, gpus: int, d
              f"{len(results)} best layouts that fit, by predicted tokens/s", ""]
     for i, (plan, overrides) in enumerate(results, 1):
         lines.append(f"{i:>2}. {plan.tokens_per_s:>12,.0f} tok/s  MFU {100 * plan.mfu:4.1f}%  "
-                     f"peak {plan.peak / GIB:5.1f} GiB  {_describe(overrides)}")
+                     f"peak {plan.peak / GIB:5.1f} GiB  {describe_layout(overrides)}")
     lines += ["", "overrides of the first: " + " ".join(f"{k}={v}" for k, v in results[0][1].items()
                                                         if v is not None)]
     return "\n".join(lines)
