@@ -115,7 +115,7 @@ def check_job_args(overrides: list[str], world: int | None) -> None:
 
     job = compose_job(overrides)
     import_modules(job.imports)
-    if world is not None:
+    if world is not None and not job.parallel.auto:  # parallel=auto: each rank checks the layout it chose
         check_config(job, world)
 
 
