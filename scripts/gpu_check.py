@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -170,6 +171,32 @@ def check_moe_layer(device, args) -> tuple[str, str]:
              else "syncs counted by tests/test_moe.py")
     ok = error < TOLERANCE[dtype] and x.grad is not None and torch.isfinite(x.grad).all()
     return ("PASS" if ok else "FAIL"), f"{str(dtype)[6:]}: grouped vs looped rel. {error:.1e}; {syncs}"
+
+
+def check_muon(device, args) -> tuple[str, str]:
+    """Muon's Newton-Schulz iteration in its dtype there (bfloat16 on CUDA): the singular values of a
+    batch of feed-forward-shaped matrices land in the band, and the rate it runs at (the plan's
+    optimizer term assumes the matmuls' efficiency)."""
+    from trainer.muon import ns_dtype, orthogonalize
+    from trainer.muon_exchange import ns_flops
+
+    dtype = ns_dtype("auto", device)
+    batch, rows, cols = (8, 4096, 14336) if device.type == "cuda" else (2, 128, 384)
+    x = torch.randn(batch, rows, cols, device=device)
+    orthogonalize(x, 5, dtype)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = orthogonalize(x, 5, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    singular = torch.linalg.svdvals(out[0].double().cpu())
+    ok = 0.6 <= singular.min().item() and singular.max().item() <= 1.25
+    tflops = batch * ns_flops(rows, cols, 5) / seconds / 1e12
+    band = f"singular values {singular.min():.2f}-{singular.max():.2f}"
+    return ("PASS" if ok else "FAIL"), f"{str(dtype)[6:]} {batch} x {rows} x {cols}: {1e3 * seconds:.1f} ms, " \
+                                       f"{tflops:.1f} TFLOPs; {band}"
 
 
 TRAIN = str(REPO / "train.py")  # the script the runs start (--train)
@@ -325,7 +352,7 @@ def print_row(name: str, run: Future) -> None:
 
 
 RUNS = [check_deepseek_run, check_llama_run, check_mixtral_run, check_checkpoint_resume]
-CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, *RUNS]
+CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, check_muon, *RUNS]
 
 
 def main() -> None:
