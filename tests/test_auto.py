@@ -27,6 +27,9 @@ def test_the_choice_is_the_search_s_first_and_keeps_the_pins():
     pinned = {"parallel.tp": "2", "training.activation_checkpoint": "full"}
     _, kept, _ = choose_layout(job, 2, device, pinned)
     assert kept["parallel.tp"] == 2 and kept["training.activation_checkpoint"] == "full"
+    # A recipe's microbatch size would derive the accumulation: the search's choice replaces it.
+    elastic, chosen, _ = choose_layout(job_of(*TINY, "training.micro_batch_size=1"), 2, device, {})
+    assert elastic.training.micro_batch_size is None and chosen["training.micro_batch_size"] is None
     with pytest.raises(ConfigError, match=r"^parallel=auto: no layout of llama_debug on 2 x cpu with parallel.tp=3 "
                                           r"kept fits"):
         choose_layout(job, 2, device, {"parallel.tp": "3"})

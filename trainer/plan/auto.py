@@ -11,7 +11,6 @@ own degrees are not: they are what `parallel=auto` replaces.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -52,13 +51,14 @@ def auto_device(device: torch.device, local_ranks: int) -> Device:
 
 def choose_layout(job: JobConfig, world: int, device: Device, pinned: dict[str, str]) -> tuple[JobConfig, dict, str]:
     """The job in the layout the search ranks first (pinned keys kept), the overrides that give it,
-    and what to say: the pick and the runners-up."""
-    if job.training.micro_batch_size is not None and "training.micro_batch_size" not in pinned:
-        job = dataclasses.replace(job, training=dataclasses.replace(job.training, micro_batch_size=None))
+    and what to say: the pick and the runners-up. The search chooses the accumulation: a recipe's
+    training.micro_batch_size (which would derive it) is dropped."""
+    cleared = {"training.micro_batch_size": None} if job.training.micro_batch_size is not None else {}
+    job = apply_overrides(job, cleared)
     results = search(job, world, device, pinned, who="parallel=auto")
     plan, overrides = results[0]
     lines = [f"parallel=auto: {describe_layout(overrides)} on {world} x {device.name} "
              f"(predicted {plan.peak / GIB:.2f} GiB a rank, {plan.tokens_per_s:,.0f} tokens/s)"]
     lines += [f"  runner-up: {describe_layout(o)} ({p.peak / GIB:.2f} GiB, {p.tokens_per_s:,.0f} tokens/s)"
               for p, o in results[1:4]]
-    return apply_overrides(job, overrides), overrides, "\n".join(lines)
+    return apply_overrides(job, overrides), {**overrides, **cleared}, "\n".join(lines)
