@@ -107,11 +107,7 @@ def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> Jo
         raise ConfigError("parallel=auto cannot be combined with fault_tolerance.enabled=true: each replica group "
                           "would choose its own layout; give the degrees")
     target = auto_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    # In a process of its own, as the memory check: the search builds fake worlds (see check_memory).
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        chosen, said, error = pool.apply(_choose, (job, world_size(), target, pinned_keys(command_line())))
-    if error is not None:
-        raise ConfigError(error)
+    _, chosen, said = in_own_process(choose_layout, job, world_size(), target, pinned_keys(command_line()))
     if int(os.environ.get("RANK", "0")) == 0:
         print(said, flush=True)
     for key, value in chosen.items():
@@ -120,32 +116,33 @@ def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> Jo
     return apply_overrides(job, chosen)
 
 
-def _choose(job: JobConfig, world: int, device, pinned: dict) -> tuple[dict | None, str | None, str | None]:
-    try:
-        _, chosen, said = choose_layout(job, world, device, pinned)
-    except ConfigError as e:
-        return None, None, str(e)
-    return chosen, said, None
-
-
 def check_memory(job: JobConfig, dims: ParallelDims, device: torch.device) -> float:
     """The plan's peak bytes on this rank's pipeline position; a `config error:` if it will not fit."""
     target = local_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     pp_rank = int(os.environ.get("RANK", "0")) // (dims.world_size // dims.pp)
-    # The plan builds a fake world of the job's size: in a process of its own, so that nothing torch
-    # keeps about that world (a mesh's coordinates, measured: checkpoints then saved every rank's
-    # shards as rank 0's) reaches the real one.
+    return in_own_process(_planned_peak, job, dims, target, pp_rank)
+
+
+def _planned_peak(job: JobConfig, dims: ParallelDims, device, pp_rank: int) -> float:
+    plan = make_plan(group_view(job), dims, device)
+    plan.check_fits()
+    return plan.ranks[pp_rank].peak
+
+
+def in_own_process(fn, *args):
+    """fn(*args) in a forked process: the plan builds fake worlds of the job's size, and nothing torch
+    keeps about them (a mesh's coordinates, measured: checkpoints then saved every rank's shards as
+    rank 0's) may reach the real one. Its config error is raised here."""
     with multiprocessing.get_context("fork").Pool(1) as pool:
-        peak, error = pool.apply(_planned_peak, (job, dims, target, pp_rank))
+        result, error = pool.apply(_reporting, (fn, *args))
     if error is not None:
         raise ConfigError(error)
-    return peak
+    return result
 
 
-def _planned_peak(job: JobConfig, dims: ParallelDims, device, pp_rank: int) -> tuple[float | None, str | None]:
+def _reporting(fn, *args):
     try:
-        plan = make_plan(group_view(job), dims, device)
-        plan.check_fits()
+        return fn(*args), None
     except ConfigError as e:
         return None, str(e)
-    return plan.ranks[pp_rank].peak, None
+

@@ -148,8 +148,7 @@ class GroupExchange:
         dist.all_to_all_single(received, _cat(send, sample), one.received, one.sent, group=self.group)
         del send
         whole = [sample.new_zeros(self.shapes[u.param]) for u in one.owned[self.me]]
-        sizes = [(rows.stop - rows.start) * (cols.stop - cols.start) for _, _, rows, cols in one.pieces]
-        for (_, k, rows, cols), chunk in zip(one.pieces, received.split(sizes)):
+        for (_, k, rows, cols), chunk in zip(one.pieces, received.split(one.piece_sizes)):
             whole[k][rows, cols].copy_(chunk.view(rows.stop - rows.start, cols.stop - cols.start))
         del received  # at most four copies of the round's matrices at once (the plan's count)
         done = batched(apply, whole)
@@ -177,6 +176,7 @@ class Round:
         # matrix (its index among this rank's) and the rows and columns of each.
         self.pieces = [(r, k, piece[1], piece[2]) for r in ranks for k, u in enumerate(owned[me])
                        if (piece := _piece(exchange.boxes[u.param][r], u)) is not None]
+        self.piece_sizes = [(rows.stop - rows.start) * (cols.stop - cols.start) for _, _, rows, cols in self.pieces]
         self.received = [sum(exchange._size(r, u) for u in owned[me]) for r in ranks]
 
 

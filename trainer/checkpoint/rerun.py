@@ -18,9 +18,6 @@ TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.glob
                  "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",
                  "training.mixed_precision.")
 
-# Keys added since configs were first saved (Muon's); a saved config without them had their defaults.
-NEWER_KEYS = ("optim.momentum", "optim.nesterov", "optim.ns_steps", "optim.ns_dtype", "optim.muon.")
-
 
 def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> str | None:
     """A config error when this job would resume output_dir's checkpoints with other training settings
@@ -33,10 +30,9 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
     if not saved_file.is_file() or not steps:
         return None
     (saved, saved_model), (now, model) = _read(OmegaConf.to_container(OmegaConf.load(saved_file))), _read(config)
-    # A key this version added is read as its default from a config.yaml written before it.
-    newer = {k: v for k, v in _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig))).items()
-             if k.startswith(NEWER_KEYS)}
-    saved, now = {**newer, **saved}, {**newer, **now}
+    # A key a config lacks has its default: one added since config.yaml was written had it then.
+    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig)))
+    saved, now = {**defaults, **saved}, {**defaults, **now}
     changed = [f"{key}={saved.get(key)} -> {now.get(key)}" for key in sorted(saved.keys() | now.keys())
                if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
     # The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
