@@ -4,6 +4,7 @@
     python scripts/plan.py +recipe=llama_fsdp --world 16 --device a100 training.activation_checkpoint=full
     python scripts/plan.py +recipe=llama_tp2_pp4 --json
     python scripts/plan.py --search --gpus 64 --device h100 model=llama3_70b
+    python scripts/plan.py --calibrate --name my-box --world 2 model=llama_debug +smoke=cpu
 
 Overrides are train.py's. `--world` and `--device` default to the recipe's `plan.world_size` and
 `plan.device` (else 1 rank of an h100). One process plays every rank in a fake process group.
@@ -33,6 +34,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", type=int, help="with --search: the number of devices")
     parser.add_argument("--gpus-per-node", type=int, help="with --search: devices per node (default: the table's)")
     parser.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="run the job in a few layouts on --world ranks of this machine and write the profile "
+                             "--name, whose efficiencies make the plan predict what was measured")
+    parser.add_argument("--name", help="with --calibrate: the profile (devices/NAME.json, or a path ending .json)")
+    parser.add_argument("--steps", type=int, default=8, help="with --calibrate: steps a layout runs")
+    parser.add_argument("--rank", action="store_true",
+                        help="with --calibrate: then run every other layout the search considers and print the "
+                             "plan's ranking beside the measured one")
     args, overrides = parser.parse_known_args(argv)
     try:
         job = compose_job(overrides)
@@ -41,6 +50,8 @@ def main(argv: list[str]) -> int:
         import_modules(job.imports)
         if args.search:
             return search_command(job, args)
+        if args.calibrate:
+            return calibrate_command(job, args, overrides)
         return plan_command(job, args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -49,7 +60,7 @@ def main(argv: list[str]) -> int:
 
 def plan_command(job, args) -> int:
     from trainer.plan import make_plan
-    from trainer.plan.devices import get_device
+    from trainer.plan.profiles import get_device
     from trainer.rules import check_job
 
     world = args.world or job.plan.world_size or 1
@@ -65,7 +76,7 @@ def plan_command(job, args) -> int:
 
 
 def search_command(job, args) -> int:
-    from trainer.plan.devices import get_device
+    from trainer.plan.profiles import get_device
     from trainer.plan.search import format_search, search
 
     if not args.gpus or args.gpus < 1:
@@ -81,6 +92,49 @@ def search_command(job, args) -> int:
                          indent=1))
     else:
         print(format_search(results[:args.top], job, args.gpus, device))
+    return 0
+
+
+def calibrate_command(job, args, overrides: list[str]) -> int:
+    import dataclasses
+    import datetime
+
+    import torch
+
+    from trainer.plan.calibrate import calibrate, ranking, torchrun_measure
+    from trainer.plan.devices import local_device, measure_cpu
+    from trainer.plan.profiles import load_profile, save_profile
+
+    if not args.name:
+        raise ConfigError("--calibrate needs --name NAME: the profile it writes (devices/NAME.json)")
+    world = args.world or torch.cuda.device_count() or 2
+    if torch.cuda.is_available():  # the table's peaks for this GPU; its memory as CUDA reports it
+        base = local_device(torch.device("cuda"), world)
+    else:  # one thread a rank, as torchrun runs them
+        base = measure_cpu(world, threads=1 if world > 1 else None)
+    base = dataclasses.replace(base, per_node=world)
+    measure = torchrun_measure(overrides, world, args.steps)
+    device, runs = calibrate(job, world, base, measure)
+    record = {"command": " ".join(["python scripts/plan.py", *sys.argv[1:]]), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "world": world, "runs": runs}
+    path = save_profile(device, args.name, record)
+    device = load_profile(args.name)
+    e = device.efficiency
+    print(f"{device.name}: bf16 {device.bf16_tflops:.3g} / fp32 {device.fp32_tflops:.3g} TFLOPs a rank, links "
+          f"{device.intra_gbps:.3g} GB/s, {device.memory_gib:.1f} GiB; efficiency alone {e.alone}, replicated "
+          f"{e.replicated}, with collectives {e.with_collectives}, tp {e.tp}")
+    for run in runs:
+        print(f"  {run['share']:>16}: {run['layout']}: measured {run['measured_tokens_per_s']:,.0f} tokens/s, "
+              f"plan {run['predicted_tokens_per_s']:,.0f}")
+    print(f"written {path}: use it with plan.device={args.name} (train.py) or --device {args.name}")
+    if args.rank:
+        rows = ranking(job, world, device, measure, {run["layout"]: run["measured_tokens_per_s"] for run in runs})
+        best = max(row["measured_tokens_per_s"] for row in rows)
+        print(f"\nthe search's layouts, best predicted first (tokens/s; the chosen one "
+              f"{rows[0]['measured_tokens_per_s'] / best - 1:+.1%} from the best measured):")
+        for row in rows:
+            print(f"  {row['predicted_tokens_per_s']:>10,.0f} predicted {row['measured_tokens_per_s']:>10,.0f} "
+                  f"measured  {row['layout']}")
     return 0
 
 

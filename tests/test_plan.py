@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.overrides import job_config
 from trainer.plan import GIB, make_plan
-from trainer.plan.devices import get_device, local_device, measure_cpu
+from trainer.plan.devices import local_device, measure_cpu
+from trainer.plan.profiles import get_device
 from trainer.plan.search import search
 from trainer.rules import check_job
 

@@ -106,7 +106,7 @@ def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> Jo
     if job.fault_tolerance.enabled:
         raise ConfigError("parallel=auto cannot be combined with fault_tolerance.enabled=true: each replica group "
                           "would choose its own layout; give the degrees")
-    target = auto_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    target = auto_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), job.plan.device)
     _, chosen, said = in_own_process(choose_layout, job, world_size(), target, pinned_keys(command_line()))
     if int(os.environ.get("RANK", "0")) == 0:
         print(said, flush=True)

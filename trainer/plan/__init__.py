@@ -5,7 +5,9 @@
 
 `layout.py` reads what each rank holds from the real parallelized module tree (a fake world of
 the job's size), `memory.py` adds activations and buffers and finds the peak, `time.py` turns
-FLOPs and bytes into seconds. `search.py` enumerates layouts and ranks them by the plan.
+FLOPs and bytes into seconds at the device's figures (`devices.py`: the table; `profiles.py`: a
+machine's, measured by `calibrate.py`). `search.py` enumerates layouts and ranks them by the plan;
+`auto.py` takes its first at launch (parallel=auto).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     slots the experts of the planned rank take, over an even share (a measured expert_load_ep)."""
     m, t, p = job.model, job.training, job.parallel
     name = t.mixed_precision.param_dtype
-    dtype = DTYPES[name] if name != "auto" else (torch.float32 if device.name == "cpu" else torch.bfloat16)
+    dtype = DTYPES[name] if name != "auto" else (torch.float32 if device.kind == "cpu" else torch.bfloat16)
     act_bytes = torch.finfo(dtype).bits // 8
     per_microbatch = t.global_batch_size // (dims.dp * dims.grad_accum_steps * dims.pp_microbatches)
     shapes = Shapes(
@@ -179,7 +181,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         compute_tflops = 1 / ((1 - in_float8) / peak_tflops + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
     gathered_per_element = gathered_bytes_per_element(shapes.act_bytes, costs.float8_params(m), f8)
     muon = job.optim.name == "muon"
-    ns = ns_dtype(job.optim.ns_dtype, "cpu" if device.name == "cpu" else "cuda")
+    ns = ns_dtype(job.optim.ns_dtype, device.kind)
     return step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,

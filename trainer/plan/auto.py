@@ -2,9 +2,10 @@
 to fit, for the world the job starts with (again after an elastic restart on another number of ranks).
 
 Every rank makes the same choice without a word to the others: the search is deterministic given the
-job, the world size and the device's figures, and those are the device table's for a GPU (its memory
-as CUDA reports it) and, on the CPU, fixed figures with the machine's total memory shared by its
-ranks (not what happens to be free: that differs from rank to rank). A key given on the command line
+job, the world size and the device's figures, and those are read, never timed at launch: plan.device's
+(a table entry or a profile `scripts/plan.py --calibrate` measured), else the table's for a GPU and
+fixed figures for a CPU; the memory is the machine's (CUDA's total, or the CPU's total shared by its
+ranks, not what happens to be free: that differs from rank to rank). A key given on the command line
 (`parallel.tp=2`, `training.activation_checkpoint=full`) is pinned: the search keeps it. A recipe's
 own degrees are not: they are what `parallel=auto` replaces.
 """
@@ -12,22 +13,23 @@ own degrees are not: they are what `parallel=auto` replaces.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
 from trainer.config import JobConfig
 from trainer.plan import GIB
-from trainer.plan.devices import Device, local_device
-from trainer.plan.search import apply_overrides, describe_layout, search
+from trainer.plan.devices import Device, cpu_device, local_device
+from trainer.plan.profiles import get_device
+from trainer.plan.search import apply_overrides, describe_overrides, search
 
 # What the search chooses; any of them given on the command line is kept as given.
 CHOSEN = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp", "parallel.pp", "parallel.ep",
           "parallel.pp_schedule", "parallel.pp_stages_per_rank", "parallel.pp_microbatches",
           "training.activation_checkpoint", "training.grad_accum_steps")
-# A CPU rank's figures where none is measured: one thread a rank on the 2-core development box
-# (2026-11-27: a 512-wide matmul, a gloo all-reduce between 2 processes).
-CPU_TFLOPS = {"bf16": 0.2, "fp32": 0.1}
-CPU_GBPS = 1.4
+# A CPU rank's figures where no profile is named: one thread a rank with a core to itself on the
+# 2-core development box (2026-11-27: a 512-wide matmul, a gloo all-reduce between 2 processes).
+CPU_FIGURES = cpu_device(0.0, bf16_tflops=0.2, fp32_tflops=0.1, gbps=1.4, ranks=1)
 
 
 def pinned_keys(overrides: list[str]) -> dict[str, str]:
@@ -40,13 +42,27 @@ def pinned_keys(overrides: list[str]) -> dict[str, str]:
     return pinned
 
 
-def auto_device(device: torch.device, local_ranks: int) -> Device:
-    """The device the search plans for, the same on every rank of a machine like this one."""
+def auto_device(device: torch.device, local_ranks: int, named: str | None = None) -> Device:
+    """The device the search plans for, the same on every rank of a machine like this one: `named`
+    (plan.device: a table entry or a profile) where it is of the kind the job runs on, else the CUDA
+    device's table entry or the CPU's fixed figures. Memory is the machine's: what CUDA reports, or
+    the CPU's total shared by its ranks, whose compute is shared too where they outnumber the cores."""
+    base = get_device(named) if named and named != "cpu" else None  # a missing profile: a config error
+    if base is not None and base.kind != device.type:  # a GPU recipe's figures, on a CPU run
+        base = None
     if device.type == "cuda":
-        return local_device(device, local_ranks)
+        local = local_device(device, local_ranks)
+        return local if base is None else replace(base, memory_gib=local.memory_gib)
+    base = base or CPU_FIGURES
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return Device("cpu", total / local_ranks, CPU_TFLOPS["bf16"], CPU_TFLOPS["fp32"], CPU_GBPS, CPU_GBPS,
-                  local_ranks, link_efficiency=1.0)
+    share = core_share(local_ranks) / core_share(base.per_node)
+    return replace(base, memory_gib=total / local_ranks, bf16_tflops=base.bf16_tflops * share,
+                   fp32_tflops=base.fp32_tflops * share, per_node=local_ranks, lent_idle=1 - core_share(local_ranks))
+
+
+def core_share(ranks: int) -> float:
+    """The share of a core each of `ranks` single-threaded ranks gets on this machine."""
+    return min(1.0, len(os.sched_getaffinity(0)) / ranks)
 
 
 def choose_layout(job: JobConfig, world: int, device: Device, pinned: dict[str, str]) -> tuple[JobConfig, dict, str]:
@@ -57,8 +73,8 @@ def choose_layout(job: JobConfig, world: int, device: Device, pinned: dict[str, 
     job = apply_overrides(job, cleared)
     results = search(job, world, device, pinned, who="parallel=auto")
     plan, overrides = results[0]
-    lines = [f"parallel=auto: {describe_layout(overrides)} on {world} x {device.name} "
+    lines = [f"parallel=auto: {describe_overrides(overrides)} on {world} x {device.name} "
              f"(predicted {plan.peak / GIB:.2f} GiB a rank, {plan.tokens_per_s:,.0f} tokens/s)"]
-    lines += [f"  runner-up: {describe_layout(o)} ({p.peak / GIB:.2f} GiB, {p.tokens_per_s:,.0f} tokens/s)"
+    lines += [f"  runner-up: {describe_overrides(o)} ({p.peak / GIB:.2f} GiB, {p.tokens_per_s:,.0f} tokens/s)"
               for p, o in results[1:4]]
     return apply_overrides(job, overrides), {**overrides, **cleared}, "\n".join(lines)

@@ -15,8 +15,31 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
 from trainer.hardware import CUDA_PEAK_TFLOPS, measure_cpu_tflops
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Shares of the peak a transformer's matmuls sustain in a training step: on ranks that only
+    compute (one rank, or pipeline stages handing on activations), on replicas that only all-reduce
+    their gradients once a step, on ranks whose steps run collectives every microbatch (FSDP, TP, CP,
+    EP), and the further factor tensor parallel's halved matmuls and per-op dispatch cost. A
+    calibration (scripts/plan.py --calibrate) measures them on the machine."""
+
+    alone: float
+    replicated: float
+    with_collectives: float
+    tp: float = 1.0
+
+
+# GPUs: large bf16 GEMMs with attention and element-wise work around them (not yet calibrated).
+GPU_EFFICIENCY = Efficiency(0.55, 0.55, 0.55)
+# The CPU's peak is a matmul timed on one thread per rank. Measured on 2 cores (llama_debug widened to
+# dim 512, seq 512, steps after the counted ones): 0.70 alone; 0.55 with collectives (gloo's threads on
+# the same cores, DTensor's dispatch), replicas' one all-reduce a step taken as the same. tp2 sustained
+# 0.68-0.87 of FSDP's rate on an AVX2 box (four sittings) and 1.5x the plan's figure at 0.8 on a Zen 4
+# (avx512) box: 1.0 keeps both within 30%.
+CPU_EFFICIENCY = Efficiency(0.70, 0.55, 0.55)
 
 
 @dataclass(frozen=True)
@@ -30,6 +53,11 @@ class Device:
     per_node: int  # devices per node
     link_efficiency: float = 0.7  # share of the nominal link rates a ring collective sustains
     fp8_tflops: float = 0.0  # dense float8 peak (0: no float8 matmuls; the CPU's are not timed)
+    kind: str = "cuda"  # or "cpu"
+    efficiency: Efficiency = GPU_EFFICIENCY
+    # The share of a rank's time the other ranks on its cores take when it waits (CPU ranks that
+    # outnumber the cores: 1 - cores / ranks): a pipeline bubble up to this share costs no time.
+    lent_idle: float = 0.0
 
     def peak_tflops(self, dtype: torch.dtype) -> float:
         return self.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_tflops
@@ -47,17 +75,6 @@ DEVICES = {
     "b200": Device("b200", 178.0, CUDA_PEAK_TFLOPS["NVIDIA B200"], 1125.0, 900.0, 50.0, 8,
                    fp8_tflops=4500.0),  # B200 180GB, NVLink 5
 }
-
-
-def get_device(name: str, memory_gib: float | None = None, world: int = 1) -> Device:
-    """A device of the table, or `cpu`: this machine, timed (a matmul, memory shared by `world` ranks)."""
-    if name == "cpu":
-        device = measure_cpu(world)
-    elif name in DEVICES:
-        device = DEVICES[name]
-    else:
-        raise ConfigError(f"device {name} is unknown; choose one of {['cpu', *DEVICES]}")
-    return device if memory_gib is None else replace(device, memory_gib=memory_gib)
 
 
 def available_memory_gib() -> float:
@@ -84,8 +101,15 @@ def measure_cpu(world: int, threads: int | None = None, size: int = 512, seconds
     finally:
         torch.set_num_threads(own_threads)
     gbps = measure_gloo_gbps(world) if world > 1 else 0.0
-    # The timed rate is what a ring sustains already: no further efficiency applies to it.
-    return Device("cpu", available_memory_gib() / world, bf16, fp32, gbps, gbps, world, link_efficiency=1.0)
+    return cpu_device(available_memory_gib() / world, bf16, fp32, gbps, world, lent_idle=1 - 1 / ranks_per_core)
+
+
+def cpu_device(memory_gib: float, bf16_tflops: float, fp32_tflops: float, gbps: float, ranks: int,
+               lent_idle: float = 0.0) -> Device:
+    """This machine's CPU as `ranks` devices; `gbps` is what a gloo ring sustains already (timed), so
+    no further link efficiency applies."""
+    return Device("cpu", memory_gib, bf16_tflops, fp32_tflops, gbps, gbps, ranks, link_efficiency=1.0, kind="cpu",
+                  efficiency=CPU_EFFICIENCY, lent_idle=lent_idle)
 
 
 GLOO_TIMED_BYTES = 8 * 2**20  # about one block's activations in the models that run on a CPU
@@ -133,4 +157,4 @@ def local_device(device: torch.device, local_ranks: int) -> Device:
         name = next((key for key in DEVICES if key in props.name.lower()), None)
         base = DEVICES[name] if name else Device(props.name, 0.0, 0.0, 0.0, 0.0, 0.0, 8)
         return replace(base, memory_gib=props.total_memory / 2**30)
-    return Device("cpu", available_memory_gib() / local_ranks, 0.0, 0.0, 2.0, 2.0, local_ranks)
+    return cpu_device(available_memory_gib() / local_ranks, 0.0, 0.0, 2.0, local_ranks)

@@ -123,7 +123,7 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
         closest = ""
         if best_misfit is not None:
             closest = (f"; the smallest peak is {best_misfit[0] / GIB:.1f} GiB of {device.memory_gib * 0.9:.1f} usable "
-                       f"({describe_layout(best_misfit[1])})")
+                       f"({describe_overrides(best_misfit[1])})")
         kept = f" with {' '.join(f'{k}={v}' for k, v in pinned.items())} kept" if pinned else ""
         raise ConfigError(f"{who}: no layout of {job.model.name} on {gpus} x {device.name}{kept} fits{closest}; "
                           f"rules that ruled out candidates: {reasons or 'none'}")
@@ -145,7 +145,7 @@ def _rule(message: str) -> str:
     return message.split("=")[0].split(":")[0]
 
 
-def describe_layout(overrides: dict) -> str:
+def describe_overrides(overrides: dict) -> str:
     short = {"parallel.dp_replicate": "rep", "parallel.dp_shard": "shard", "parallel.tp": "tp", "parallel.cp": "cp",
              "parallel.pp": "pp", "parallel.ep": "ep", "training.activation_checkpoint": "ac",
              "training.grad_accum_steps": "accum", "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched"}
@@ -165,7 +165,7 @@ def format_search(results: list[tuple[Plan, dict]], job: JobConfig, gpus: int, d
              f"{len(results)} best layouts that fit, by predicted tokens/s", ""]
     for i, (plan, overrides) in enumerate(results, 1):
         lines.append(f"{i:>2}. {plan.tokens_per_s:>12,.0f} tok/s  MFU {100 * plan.mfu:4.1f}%  "
-                     f"peak {plan.peak / GIB:5.1f} GiB  {describe_layout(overrides)}")
+                     f"peak {plan.peak / GIB:5.1f} GiB  {describe_overrides(overrides)}")
     lines += ["", "overrides of the first: " + " ".join(f"{k}={v}" for k, v in results[0][1].items()
                                                         if v is not None)]
     return "\n".join(lines)

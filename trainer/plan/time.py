@@ -8,23 +8,11 @@ from dataclasses import dataclass
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
 from trainer.plan.devices import Device
 
-# Share of the peak that a transformer's matmuls sustain. GPUs: large bf16 GEMMs with attention
-# and element-wise work around them. The CPU's peak is a matmul timed on one thread per rank;
-# measured on 2 cores (llama_debug widened to dim 512, seq 512, steps after the counted ones): ranks
-# that only compute (one rank, or pipeline stages handing on activations) sustain 0.70 of it; ranks
-# whose steps run collectives (FSDP, TP, CP, EP: gloo's threads on the same cores, DTensor's
-# dispatch) 0.55.
-COMPUTE_EFFICIENCY = {"gpu": 0.55, "cpu": 0.70, "cpu_collectives": 0.55}
-# Mixture-of-experts blocks also sort, gather and scatter their tokens, work the FLOPs leave out:
-# measured on CPU (ep2 as above) 0.8 of a dense model's rate on an AVX2 box, 0.95-1.0 on a Zen 4
-# (avx512) box (plan 16-23% under the measurement at 0.8, two sittings): 0.9 keeps both within 15%.
-# Not measured on GPUs: 0.8 there.
-MOE_EFFICIENCY = {"gpu": 0.8, "cpu": 0.9}
-# Tensor parallel halves each matmul and adds DTensor's dispatch to every op. On CPU (tp2 as above)
-# it sustained 0.68-0.87 of the rate FSDP does on an AVX2 box (four sittings), and 1.5x this plan's
-# figure at 0.8 on a Zen 4 (avx512) box (1,682-1,705 tokens/s against 1,100 predicted, three runs):
-# 1.0 keeps both within the plan test's 30%. Not measured on GPUs (1.0 there too).
-CPU_TP_EFFICIENCY = 1.0
+# The matmuls' share of the peak is the device's (devices.py: Efficiency). Mixture-of-experts blocks
+# also sort, gather and scatter their tokens, work the FLOPs leave out: measured on CPU (ep2, dim 512,
+# seq 512) 0.8 of a dense model's rate on an AVX2 box, 0.95-1.0 on a Zen 4 (avx512) box (plan 16-23%
+# under the measurement at 0.8, two sittings): 0.9 keeps both within 15%. Not measured on GPUs: 0.8.
+MOE_EFFICIENCY = {"cuda": 0.8, "cpu": 0.9}
 
 
 @dataclass
@@ -64,14 +52,18 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     `recompute` is the share of blocks whose forward runs again in backward. Muon: this rank's
     Newton-Schulz FLOPs a step, at `ns_tflops` peak, and the bytes of matrix pieces it sends (and
     receives back) over the FSDP x tp group."""
-    kind = "gpu" if device.name != "cpu" else "cpu" if dims.world_size == dims.pp else "cpu_collectives"
-    moe_share = MOE_EFFICIENCY["gpu" if kind == "gpu" else "cpu"] if moe else 1.0
-    peak = dtype_peak_tflops * 1e12 * COMPUTE_EFFICIENCY[kind] * moe_share
-    if kind != "gpu" and dims.tp > 1:
-        peak *= CPU_TP_EFFICIENCY
+    tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
+    if dims.world_size == dims.pp:
+        share = device.efficiency.alone
+    elif dims.world_size == dims.pp * dp_rep:
+        share = device.efficiency.replicated
+    else:
+        share = device.efficiency.with_collectives
+    moe_share = MOE_EFFICIENCY[device.kind] if moe else 1.0
+    tp_share = device.efficiency.tp if dims.tp > 1 else 1.0
+    peak = dtype_peak_tflops * 1e12 * share * moe_share * tp_share
     compute = flops_per_rank / peak if peak > 0 else float("nan")  # nan: the device's peak is unknown
 
-    tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
     fsdp_ranks = dp_shard * cp
     fsdp_link = link_gbps(device, tp, fsdp_ranks)
     # Gathered for forward and again for backward, every microbatch; under pipeline parallel once a
@@ -99,10 +91,10 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     if schedule is not None:
         pp_link = link_gbps(device, tp * cp * dp_shard * dp_rep, dims.pp)
         pp_s = 2 * act_stream_bytes * microbatches_per_rank * per_rank_stages / (pp_link * 1e9)
-        bubble = pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches)
+        bubble = max(0.0, pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches) - device.lent_idle)
     optimizer_s = 0.0
     if ns_flops:  # nan where the device's peak is unknown, as for compute
-        optimizer_s = ns_flops / (ns_tflops * 1e12 * COMPUTE_EFFICIENCY[kind]) if ns_tflops > 0 else float("nan")
+        optimizer_s = ns_flops / (ns_tflops * 1e12 * share) if ns_tflops > 0 else float("nan")
     if muon_bytes:  # each rank's pieces to their owners and back: two all-to-alls over the ranks sharing them
         optimizer_s += 2 * muon_bytes / (link_gbps(device, 1, fsdp_ranks * tp) * 1e9)
     exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s + optimizer_s
