@@ -36,9 +36,12 @@ def test_the_choice_is_the_search_s_first_and_keeps_the_pins():
     # A recipe's microbatch size would derive the accumulation: the search's choice replaces it.
     elastic, chosen, _ = choose_layout(job_of(*TINY, "training.micro_batch_size=1"), 2, device, {})
     assert elastic.training.micro_batch_size is None and chosen["training.micro_batch_size"] is None
+    # No fit names the smallest change that fits: a pin let go, or more devices.
     with pytest.raises(ConfigError, match=r"^parallel=auto: no layout of llama_debug on 2 x cpu with parallel.tp=3 "
-                                          r"kept fits"):
+                                          r"kept fits; .*; without the pinned keys tp=1 .* fits$"):
         choose_layout(job, 2, device, {"parallel.tp": "3"})
+    with pytest.raises(ConfigError, match=r"no layout of llama3_70b on 2 x a100 fits; .*; it fits on 16 devices \(tp="):
+        search(job_of("model=llama3_70b"), 2, get_device("a100"))
 
 
 def test_a_profile_is_read_wherever_a_device_is_named(tmp_path):

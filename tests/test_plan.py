@@ -125,12 +125,15 @@ def test_search_ranks_layouts_that_fit(capsys):
 
 
 def test_search_is_fast_enough_to_run_at_launch():
-    """Llama 3 8B on 64 H100s: every layout planned in seconds (measured 3.8 s; Qwen3-235B-A22B on 256:
-    16 s), HSDP's replicas sharing one replica's holdings."""
-    job = job_of("model=llama3_8b")
-    start = time.perf_counter()
-    results = search(job, 64, get_device("h100"))
-    assert results and time.perf_counter() - start < 15
+    """Every layout planned in seconds, as parallel=auto does at each launch: Llama 3 8B on 64 H100s
+    (seq 8192, 64 sequences; measured 3.7 s), Qwen3-235B-A22B on 256 (8 sequences of 2048: 9.6 s; 256
+    of 4096: 24 s). HSDP's replicas and cp share FSDP's holdings, and stages alike share one build."""
+    for shape, gpus, limit in ((("model=llama3_8b", "training.seq_len=8192", "training.global_batch_size=64"), 64, 15),
+                               (("model=qwen3_235b_a22b",), 256, 60)):
+        job = job_of(*shape)
+        start = time.perf_counter()
+        results = search(job, gpus, get_device("h100"))
+        assert results and time.perf_counter() - start < limit, shape
 
 
 def test_search_answers_for_qwen3_moe(capsys):

@@ -54,10 +54,12 @@ def check_config(job: JobConfig, world: int) -> ParallelDims:
     return dims
 
 
-def check_job(job: JobConfig, world: int) -> ParallelDims:
+def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     """Checks `job` for a world of `world` ranks; returns its layout, with what the config leaves to
-    derive (every `-1`, the accumulation steps) resolved. `job` is left as it is."""
-    check_ranges(job)
+    derive (every `-1`, the accumulation steps) resolved. `job` is left as it is. `ranges=False` skips
+    the keys' ranges (the search checks them once for all its candidates)."""
+    if ranges:
+        check_ranges(job)
     check_model(job.model)
     if job.fault_tolerance.enabled:
         check_fault_tolerance(job.fault_tolerance, job.parallel, job.training, job.model)

@@ -78,13 +78,16 @@ _CACHE: dict[str, list[list[StageHoldings]]] = {}
 
 def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
     """For each pipeline rank, the stages it holds and their FSDP units (a fake world of one replica's
-    size: HSDP's replicas hold the same shards, so a layout's holdings serve it with any number of them)."""
-    parallel = dataclasses.replace(job.parallel, pp_microbatches=None, dp_replicate=1)
-    replica = dataclasses.replace(dims, dp_replicate=1, world_size=dims.world_size // dims.dp_replicate)
+    size: HSDP's replicas hold the same shards, so a layout's holdings serve it with any number of them;
+    and cp folded into dp_shard: FSDP shards over dp_shard x cp as one, and cp splits no parameter)."""
+    fsdp = dims.dp_shard * dims.cp
+    parallel = dataclasses.replace(job.parallel, pp_microbatches=None, dp_replicate=1, dp_shard=fsdp, cp=1)
+    replica = dataclasses.replace(dims, dp_replicate=1, dp_shard=fsdp, cp=1,
+                                  world_size=dims.world_size // dims.dp_replicate)
     # What a rank holds depends on the model and the layout, not on batch or microbatches.
     key = repr((job.model, parallel, replica.shape, replica.ep, job.data.document_mask))
     if key not in _CACHE:
-        if len(_CACHE) > 256:
+        if len(_CACHE) > 1024:
             _CACHE.clear()
         _CACHE[key] = _holdings(dataclasses.replace(job, parallel=parallel), replica)
     return _CACHE[key]
@@ -101,15 +104,20 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
         first: dict = {}
         for index in range(job.model.n_layers):
             first.setdefault(spec.block_kind(job.model, index), index)
+        # A stage's stand-in depends on its block's kind and its other modules: stages alike share one.
+        built: dict = {}
         for stage, modules in enumerate(options.stage_modules):
             blocks = [int(name.rsplit(".", 1)[1]) for name in modules if spec.is_block(name)]
             kinds = {spec.block_kind(job.model, index) for index in blocks} or {spec.block_kind(job.model, 0)}
+            others = tuple(name for name in modules if not spec.is_block(name))
             per_kind, edges = {}, []
             for kind in kinds:
-                one, kept = one_block(options, modules, first[kind])
-                units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
-                per_kind[kind] = [(u, spec.block_name(first[kind])) for u in units if spec.is_block(u.name)]
-                edges = [u for u in units if not spec.is_block(u.name)]
+                if (kind, others) not in built:
+                    one, kept = one_block(options, modules, first[kind])
+                    units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
+                    built[kind, others] = ([(u, spec.block_name(first[kind])) for u in units if spec.is_block(u.name)],
+                                           [u for u in units if not spec.is_block(u.name)])
+                per_kind[kind], edges = built[kind, others]
             units = [dataclasses.replace(u, name=u.name.replace(stand_in, spec.block_name(index), 1))
                      for index in blocks for u, stand_in in per_kind[spec.block_kind(job.model, index)]]
             by_stage[stage] = StageHoldings(stage, modules, units + edges, blocks)

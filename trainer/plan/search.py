@@ -20,6 +20,7 @@ from trainer.models.moe_config import n_experts
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.plan import GIB, MARGIN, Plan, make_plan
 from trainer.plan.devices import Device
+from trainer.ranges import check_ranges
 from trainer.rules import check_job
 
 
@@ -85,6 +86,43 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
     states alone exceed the device's memory is not planned; one that sets a `pinned` key (its value
     as written on a command line) otherwise is not tried. `who` names the asker in a config error."""
     pinned = {key: value for key, value in (pinned or {}).items() if value != "-1"}  # -1: the rest, not a pin
+    fitting, rejected, best_misfit = _plan_candidates(job, gpus, device, pinned)
+    if not fitting:
+        reasons = ", ".join(f"{rule} ({n})" for rule, n in rejected.most_common(5))
+        closest = ""
+        if best_misfit is not None:
+            closest = (f"; the smallest peak is {best_misfit[0] / GIB:.1f} GiB of {device.memory_gib * 0.9:.1f} usable "
+                       f"({describe_overrides(best_misfit[1])})")
+        kept = f" with {' '.join(f'{k}={v}' for k, v in pinned.items())} kept" if pinned else ""
+        hint = _what_fits(job, gpus, device, pinned)
+        raise ConfigError(f"{who}: no layout of {job.model.name} on {gpus} x {device.name}{kept} fits{closest}; "
+                          f"rules that ruled out candidates: {reasons or 'none'}{hint}")
+    fitting.sort(key=lambda item: (-item[0].tokens_per_s, item[0].peak))
+    return fitting
+
+
+def _what_fits(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]) -> str:
+    """The smallest change that fits, where every microbatch size and checkpointing mode did not: the
+    pinned keys let go, else more devices (up to 16x)."""
+    if pinned:
+        fitting = _plan_candidates(job, gpus, device, {})[0]
+        if fitting:
+            return f"; without the pinned keys {describe_overrides(_fastest(fitting))} fits"
+    for more in (2 * gpus, 4 * gpus, 8 * gpus, 16 * gpus):
+        fitting = _plan_candidates(job, more, device, pinned)[0]
+        if fitting:
+            return f"; it fits on {more} devices ({describe_overrides(_fastest(fitting))})"
+    return f"; not even on {16 * gpus} devices"
+
+
+def _fastest(fitting: list[tuple[Plan, dict]]) -> dict:
+    return max(fitting, key=lambda item: item[0].tokens_per_s)[1]
+
+
+def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]):
+    """The plans that fit (with their overrides), the count of candidates each rule ruled out, and the
+    smallest peak of those that did not fit (with its overrides)."""
+    check_ranges(job)  # what the candidates change (degrees, checkpointing, accumulation) is in range
     fitting: list[tuple[Plan, dict]] = []
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
@@ -106,7 +144,7 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
                     continue
                 candidate = apply_overrides(job, overrides)
                 try:
-                    dims = check_job(candidate, gpus)
+                    dims = check_job(candidate, gpus, ranges=False)
                 except ConfigError as e:
                     rejected[_rule(str(e))] += 1
                     continue
@@ -118,17 +156,7 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
                     best_misfit = (plan.peak, overrides)
             if found:
                 break  # more accumulation would only re-gather the parameters more often
-    if not fitting:
-        reasons = ", ".join(f"{rule} ({n})" for rule, n in rejected.most_common(5))
-        closest = ""
-        if best_misfit is not None:
-            closest = (f"; the smallest peak is {best_misfit[0] / GIB:.1f} GiB of {device.memory_gib * 0.9:.1f} usable "
-                       f"({describe_overrides(best_misfit[1])})")
-        kept = f" with {' '.join(f'{k}={v}' for k, v in pinned.items())} kept" if pinned else ""
-        raise ConfigError(f"{who}: no layout of {job.model.name} on {gpus} x {device.name}{kept} fits{closest}; "
-                          f"rules that ruled out candidates: {reasons or 'none'}")
-    fitting.sort(key=lambda item: (-item[0].tokens_per_s, item[0].peak))
-    return fitting
+    return fitting, rejected, best_misfit
 
 
 def keeps(overrides: dict, pinned: dict[str, str]) -> bool:
