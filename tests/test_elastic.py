@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (
     ENV,
     REPO,
@@ -26,11 +27,17 @@ from helpers import (
     train_metrics,
     wait_for,
 )
+from test_plan import job_of
+
+from trainer.describe import describe_layout
+from trainer.plan.auto import auto_device, choose_layout
+from trainer.rules import check_job
 
 JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=64", "training.global_batch_size=8",
        "training.lr=3e-3", "training.warmup_steps=2", "checkpoint.enabled=true", "checkpoint.interval=2")
 STEPS = 10  # of a restarted job
 ELASTIC_STEPS = 16  # of the elastic job: time for a second agent to start and join
+ELASTIC = (f"training.steps={ELASTIC_STEPS}", "parallel=auto")
 EXACT = 1e-6  # the same world, resumed
 RESHARDED = 1e-4  # another world size: the parity tolerance
 # Rendezvous settings for the tests' elastic agents: a dead agent is found after 2 s x 3 missed
@@ -103,10 +110,10 @@ def test_torchrun_restarts_killed_ranks_with_every_launch_form(form, reference, 
 
 
 def agent(node: int, out: Path, port: int, tmp_path: Path) -> subprocess.Popen:
-    """One elastic node: trainer-run (torchrun's arguments, no environment variable) with 2 ranks.
-    Node 1 hosts the rendezvous store (on one machine every agent would otherwise take the endpoint
-    for its own)."""
-    return start(2, *JOB, f"training.steps={ELASTIC_STEPS}", "training.micro_batch_size=2", output_dir=out,
+    """One elastic node: trainer-run (torchrun's arguments, no environment variable) with 2 ranks,
+    the layout chosen at each start (parallel=auto). Node 1 hosts the rendezvous store (on one machine
+    every agent would otherwise take the endpoint for its own)."""
+    return start(2, *JOB, *ELASTIC, output_dir=out,
                  log=tmp_path / f"node{node}.log", launcher="trainer.launcher",
                  rendezvous=("--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                              "--rdzv_id=elastic", f"--rdzv_conf=is_host={int(node == 1)},{RDZV_CONF}"),
@@ -115,10 +122,11 @@ def agent(node: int, out: Path, port: int, tmp_path: Path) -> subprocess.Popen:
 
 @pytest.mark.multiprocess
 def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_path):
-    """Two nodes of 2 ranks; node 2 and its ranks are killed (SIGKILL) after step 4's checkpoint: the
-    job goes on alone from step 4 on 2 ranks, twice the accumulation. A new node then joins: torchrun
-    stops the ranks, which save the step they were at, and the job goes on at 4 ranks from that very
-    step. Every step's loss is the uninterrupted 4-rank run's (the same global batches, in order)."""
+    """Two nodes of 2 ranks, in the layout parallel=auto chose for 4; node 2 and its ranks are killed
+    (SIGKILL) after step 4's checkpoint: the job chooses again for 2 ranks and goes on alone from step 4
+    in that layout. A new node then joins: torchrun stops the ranks, which save the step they were at,
+    and the job goes on at 4 ranks from that very step, in the first layout. Every step's loss is the
+    uninterrupted 4-rank FSDP run's (the same global batches, in order)."""
     expected = uninterrupted(4, ELASTIC_STEPS, tmp_path / "reference", "training.micro_batch_size=2")
     out, port = tmp_path / "run", 29900 + random.randrange(90)
     first, second = agent(1, out, port, tmp_path), agent(2, out, port, tmp_path)
@@ -139,8 +147,16 @@ def test_an_elastic_job_shrinks_when_a_node_dies_and_grows_when_one_joins(tmp_pa
     log = (tmp_path / "node1.log").read_text()
     records = read_metrics(out)
     worlds = [(r["step"], r["world_size"]) for r in records]
-    assert log.count("world changed from 4 to 2 ranks: mesh pp=1, dp_replicate=1, dp_shard=2") == 1, log[-4000:]
-    assert "grad_accum_steps=2, the global batch of 8 sequences kept" in log
+    # Each start's choice, as the search makes it for that world (2 ranks a node).
+    job, node = job_of(*JOB, *ELASTIC), auto_device(torch.device("cpu"), 2)
+    chosen = {world: choose_layout(job, world, node, {}) for world in (4, 2)}
+    # Rank 0 of the first start may be on either node.
+    logs = "".join((tmp_path / f"node{n}.log").read_text() for n in (1, 2, 3))
+    said = [line for line in logs.splitlines() if line.startswith("parallel=auto: ")]
+    assert sorted(said) == sorted(chosen[world][2].splitlines()[0] for world in (4, 2, 4)), said
+    shrunk_to = check_job(chosen[2][0], 2)
+    assert log.count(f"world changed from 4 to 2 ranks: {describe_layout(shrunk_to)}, grad_accum_steps="
+                     f"{shrunk_to.grad_accum_steps}, the global batch of 8 sequences kept") == 1, log[-4000:]
     assert log.count("world changed from 2 to 4 ranks") == 1, log[-4000:]
     stopped = int(log.split("checkpoint: stopped at step ")[1].split()[0])
     resumed = resumed_steps(log)
