@@ -135,6 +135,7 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
         for row in rows:
             print(f"  {row['predicted_tokens_per_s']:>10,.0f} predicted {row['measured_tokens_per_s']:>10,.0f} "
                   f"measured  {row['layout']}")
+        save_profile(device, args.name, {**record, "ranking": rows})
     return 0
 
 
