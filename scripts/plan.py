@@ -102,14 +102,14 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
     import torch
 
     from trainer.plan.calibrate import calibrate, ranking, torchrun_measure
-    from trainer.plan.devices import local_device, measure_cpu
+    from trainer.plan.devices import measure_cpu, measure_cuda
     from trainer.plan.profiles import load_profile, save_profile
 
     if not args.name:
         raise ConfigError("--calibrate needs --name NAME: the profile it writes (devices/NAME.json)")
     world = args.world or torch.cuda.device_count() or 2
-    if torch.cuda.is_available():  # the table's peaks for this GPU; its memory as CUDA reports it
-        base = local_device(torch.device("cuda"), world)
+    if torch.cuda.is_available():  # a timed matmul and NCCL all-reduce; its memory as CUDA reports it
+        base = measure_cuda(world)
     else:  # one thread a rank, as torchrun runs them
         base = measure_cpu(world, threads=1 if world > 1 else None)
     base = dataclasses.replace(base, per_node=world)

@@ -1,5 +1,6 @@
 """Peak compute of the devices this trainer runs on: the one table of CUDA devices' dense bf16 peaks
-(MFU and the plan's device list read it), and a timed matmul for the CPU."""
+(MFU and the plan's device list read it), and timed matmuls: the CPU's, and a GPU's for the plan's
+calibration."""
 
 from __future__ import annotations
 
@@ -51,6 +52,19 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, sec
             runs += 1
         best = max(best, 2 * size**3 * runs / (time.perf_counter() - start) / 1e12)
     return best
+
+
+def measure_cuda_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 8192, iterations: int = 20) -> float:
+    """What the current CUDA device sustains on a large matmul (the plan's calibration)."""
+    a, b = (torch.randn(size, size, dtype=dtype, device="cuda") for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * size**3 * iterations / (time.perf_counter() - start) / 1e12
 
 
 def cuda_peak_tflops(name: str) -> float | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from trainer.hardware import CUDA_PEAK_TFLOPS, measure_cpu_tflops
+from trainer.hardware import CUDA_PEAK_TFLOPS, measure_cpu_tflops, measure_cuda_tflops
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def measure_cpu(world: int, threads: int | None = None, size: int = 512, seconds
                       for dtype in (torch.bfloat16, torch.float32))
     finally:
         torch.set_num_threads(own_threads)
-    gbps = measure_gloo_gbps(world) if world > 1 else 0.0
+    gbps = measure_link_gbps(world) if world > 1 else 0.0
     return cpu_device(available_memory_gib() / world, bf16, fp32, gbps, world, lent_idle=1 - 1 / ranks_per_core)
 
 
@@ -113,39 +113,64 @@ def cpu_device(memory_gib: float, bf16_tflops: float, fp32_tflops: float, gbps: 
 
 
 GLOO_TIMED_BYTES = 8 * 2**20  # about one block's activations in the models that run on a CPU
+NCCL_TIMED_BYTES = 256 * 2**20  # large enough for a ring's bandwidth, not its latency
 
 
-def measure_gloo_gbps(world: int, nbytes: int = GLOO_TIMED_BYTES, repeats: int = 3) -> float:
-    """GB/s one rank's share of a gloo ring all-reduce moves between `world` processes on this
-    machine (each sends 2 (world-1)/world of the buffer): the best of a few timed all-reduces."""
-    context = multiprocessing.get_context("fork")  # no re-import of torch: the timing takes about a second
+def measure_link_gbps(world: int, cuda: bool = False, repeats: int = 3) -> float:
+    """GB/s one rank's share of a ring all-reduce moves between `world` processes on this machine
+    (each sends 2 (world-1)/world of the buffer): the best of a few timed all-reduces, over gloo
+    between processes forked from this one (no re-import of torch: about a second), or over NCCL
+    between this node's first `world` GPUs (spawned: CUDA does not survive a fork)."""
+    context = multiprocessing.get_context("spawn" if cuda else "fork")
+    nbytes = NCCL_TIMED_BYTES if cuda else GLOO_TIMED_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         seconds = context.Queue()
-        ranks = [context.Process(target=_time_all_reduce, args=(rank, world, f"{tmp}/store", nbytes, repeats, seconds))
-                 for rank in range(world)]
+        ranks = [context.Process(target=_time_all_reduce, args=(rank, world, f"{tmp}/store", nbytes, repeats, cuda,
+                                                               seconds)) for rank in range(world)]
         for process in ranks:
             process.start()
-        best = seconds.get(timeout=120)
+        best = seconds.get(timeout=300)
         for process in ranks:
             process.join(timeout=60)
     return 2 * (world - 1) / world * nbytes / best / 1e9
 
 
-def _time_all_reduce(rank: int, world: int, store_path: str, nbytes: int, repeats: int, out) -> None:
+def _time_all_reduce(rank: int, world: int, store_path: str, nbytes: int, repeats: int, cuda: bool, out) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    group = dist.ProcessGroupGloo(store, rank, world)  # its own group: the caller may have a default one
-    buffer = torch.ones(nbytes // 4)
+    # A group of its own: the caller may have a default one.
+    if cuda:
+        torch.cuda.set_device(rank)
+        group = dist.ProcessGroupNCCL(store, rank, world)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world)
+    buffer = torch.ones(nbytes // 4, device=f"cuda:{rank}" if cuda else "cpu")
     group.allreduce(buffer).wait()
     best = float("inf")
     for _ in range(repeats):
         group.barrier().wait()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         group.allreduce(buffer).wait()
+        if cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     if rank == 0:
         out.put(best)
     group.barrier().wait()
+
+
+def measure_cuda(world: int) -> Device:
+    """This node's GPU as the plan sees it, timed: its table entry (or a bare one) with the bf16 peak
+    a large matmul sustains on it, and the link an NCCL all-reduce sustains between `world` of them
+    (the nodes' network stays the table's)."""
+    base = local_device(torch.device("cuda", 0), world)
+    bf16 = measure_cuda_tflops(torch.bfloat16)
+    intra = measure_link_gbps(world, cuda=True) if world > 1 else base.intra_gbps * base.link_efficiency
+    # The timed rate is what a ring sustains: the table's network rate is scaled to match.
+    return replace(base, bf16_tflops=bf16, intra_gbps=intra, inter_gbps=base.inter_gbps * base.link_efficiency,
+                   link_efficiency=1.0, per_node=world)
 
 
 def local_device(device: torch.device, local_ranks: int) -> Device:
