@@ -3,10 +3,9 @@
 Each share of the device's Efficiency is set from one layout whose step it paces, the search's best of
 its kind, run for a few steps on every rank: every rank a pipeline stage (`alone`), every rank a
 replica (`replicated`), FSDP over every rank (`with_collectives`), tensor parallel over every rank
-(`tp`, on top of the latter). A share is the
-value at which the plan predicts the measured tokens/s; the plan's tokens/s rises with it, so a
-bisection finds it. The peaks and link rates under them are the device's: on the CPU a timed matmul and
-gloo all-reduce (devices.measure_cpu), on a GPU the table's.
+(`tp`, on top of the latter). A share is the value at which the plan predicts the measured tokens/s;
+the plan's tokens/s rises with it, so a bisection finds it. The peaks and link rates under the shares
+are timed before (devices.measure_cpu, devices.measure_cuda).
 """
 
 from __future__ import annotations

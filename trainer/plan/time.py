@@ -60,7 +60,7 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     else:
         share = device.efficiency.with_collectives
     moe_share = MOE_EFFICIENCY[device.kind] if moe else 1.0
-    tp_share = device.efficiency.tp if dims.tp > 1 else 1.0
+    tp_share = device.efficiency.tp if tp > 1 else 1.0
     peak = dtype_peak_tflops * 1e12 * share * moe_share * tp_share
     compute = flops_per_rank / peak if peak > 0 else float("nan")  # nan: the device's peak is unknown
 
