@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -125,15 +126,27 @@ def test_search_ranks_layouts_that_fit(capsys):
 
 
 def test_search_is_fast_enough_to_run_at_launch():
-    """Every layout planned in seconds, as parallel=auto does at each launch: Llama 3 8B on 64 H100s
-    (seq 8192, 64 sequences; measured 3.7 s), Qwen3-235B-A22B on 256 (8 sequences of 2048: 9.6 s; 256
-    of 4096: 24 s). HSDP's replicas and cp share FSDP's holdings, and stages alike share one build."""
-    for shape, gpus, limit in ((("model=llama3_8b", "training.seq_len=8192", "training.global_batch_size=64"), 64, 15),
-                               (("model=qwen3_235b_a22b",), 256, 60)):
-        job = job_of(*shape)
-        start = time.perf_counter()
-        results = search(job, gpus, get_device("h100"))
-        assert results and time.perf_counter() - start < limit, shape
+    """Every layout planned in seconds, as parallel=auto does at each launch: Llama 3 8B on 64 H100s,
+    seq 8192 and 64 sequences (measured 3.7 s). HSDP's replicas and cp share FSDP's holdings, and
+    pipeline stages alike share one build."""
+    job = job_of("model=llama3_8b", "training.seq_len=8192", "training.global_batch_size=64")
+    start = time.perf_counter()
+    results = search(job, 64, get_device("h100"))
+    assert results and time.perf_counter() - start < 15
+
+
+@pytest.mark.multiprocess
+def test_the_search_for_a_large_moe_model_takes_seconds():
+    """plan.py --search for Qwen3-235B-A22B on 256 H100s, start-up included (the search measured 9.6 s;
+    24 s at 256 sequences of 4096)."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), "--search", "--gpus", "256",
+                             "--device", "h100", "model=qwen3_235b_a22b", "--top", "3"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    took = time.perf_counter() - start
+    assert result.returncode == 0 and "qwen3_235b_a22b on 256 x h100" in result.stdout, result.stderr[-2000:]
+    print(f"Qwen3-235B-A22B on 256 x h100: --search took {took:.1f}s")
+    assert took < 60
 
 
 def test_search_answers_for_qwen3_moe(capsys):
