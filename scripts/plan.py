@@ -103,7 +103,7 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
 
     from trainer.plan.calibrate import calibrate, ranking, torchrun_measure
     from trainer.plan.devices import measure_cpu, measure_cuda
-    from trainer.plan.profiles import load_profile, save_profile
+    from trainer.plan.profiles import profile_path, save_profile
 
     if not args.name:
         raise ConfigError("--calibrate needs --name NAME: the profile it writes (devices/NAME.json)")
@@ -112,13 +112,11 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
         base = measure_cuda(world)
     else:  # one thread a rank, as torchrun runs them
         base = measure_cpu(world, threads=1 if world > 1 else None)
-    base = dataclasses.replace(base, per_node=world)
+    base = dataclasses.replace(base, name=profile_path(args.name).stem)
     measure = torchrun_measure(overrides, world, args.steps)
     device, runs = calibrate(job, world, base, measure)
     record = {"command": " ".join(["python scripts/plan.py", *sys.argv[1:]]), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "world": world, "runs": runs}
-    path = save_profile(device, args.name, record)
-    device = load_profile(args.name)
     e = device.efficiency
     print(f"{device.name}: bf16 {device.bf16_tflops:.3g} / fp32 {device.fp32_tflops:.3g} TFLOPs a rank, links "
           f"{device.intra_gbps:.3g} GB/s, {device.memory_gib:.1f} GiB; efficiency alone {e.alone}, replicated "
@@ -126,7 +124,6 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
     for run in runs:
         print(f"  {run['share']:>16}: {run['layout']}: measured {run['measured_tokens_per_s']:,.0f} tokens/s, "
               f"plan {run['predicted_tokens_per_s']:,.0f}")
-    print(f"written {path}: use it with plan.device={args.name} (train.py) or --device {args.name}")
     if args.rank:
         rows = ranking(job, world, device, measure, {run["layout"]: run["measured_tokens_per_s"] for run in runs})
         best = max(row["measured_tokens_per_s"] for row in rows)
@@ -135,7 +132,9 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
         for row in rows:
             print(f"  {row['predicted_tokens_per_s']:>10,.0f} predicted {row['measured_tokens_per_s']:>10,.0f} "
                   f"measured  {row['layout']}")
-        save_profile(device, args.name, {**record, "ranking": rows})
+        record["ranking"] = rows
+    path = save_profile(device, args.name, record)
+    print(f"written {path}: use it with plan.device={args.name} (train.py) or --device {args.name}")
     return 0
 
 

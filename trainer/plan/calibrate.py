@@ -89,8 +89,8 @@ def distinct_layouts(results: list[tuple]) -> list[tuple]:
     """The search's best point (plan, overrides) for each set of degrees and pipeline schedule, best first."""
     seen, kept = set(), []
     for plan, overrides in results:
-        degrees = tuple(overrides[key] if overrides["parallel.pp"] > 1 or key != "parallel.pp_schedule" else None
-                        for key in DEGREES)
+        keys = DEGREES if overrides["parallel.pp"] > 1 else DEGREES[:-1]  # the schedule counts under pp only
+        degrees = tuple(overrides[key] for key in keys)
         if degrees not in seen:
             seen.add(degrees)
             kept.append((plan, overrides))

@@ -35,10 +35,6 @@ def profile_path(name: str) -> Path:
     return Path(name) if name.endswith(".json") else PROFILE_DIR / f"{name}.json"
 
 
-def is_profile(name: str) -> bool:
-    return profile_path(name).is_file()
-
-
 def load_profile(name: str) -> Device:
     """The device a profile describes; a config error names a missing or unreadable one."""
     path = profile_path(name)

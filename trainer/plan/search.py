@@ -86,6 +86,7 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
     states alone exceed the device's memory is not planned; one that sets a `pinned` key (its value
     as written on a command line) otherwise is not tried. `who` names the asker in a config error."""
     pinned = {key: value for key, value in (pinned or {}).items() if value != "-1"}  # -1: the rest, not a pin
+    check_ranges(job)  # what the candidates change (degrees, checkpointing, accumulation) is in range
     fitting, rejected, best_misfit = _plan_candidates(job, gpus, device, pinned)
     if not fitting:
         reasons = ", ".join(f"{rule} ({n})" for rule, n in rejected.most_common(5))
@@ -122,7 +123,6 @@ def _fastest(fitting: list[tuple[Plan, dict]]) -> dict:
 def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]):
     """The plans that fit (with their overrides), the count of candidates each rule ruled out, and the
     smallest peak of those that did not fit (with its overrides)."""
-    check_ranges(job)  # what the candidates change (degrees, checkpointing, accumulation) is in range
     fitting: list[tuple[Plan, dict]] = []
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
