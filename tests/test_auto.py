@@ -1,6 +1,7 @@
 """parallel=auto: the layout chosen at launch by the plan's search, keys given on the command line kept."""
 
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
@@ -48,6 +49,11 @@ def test_a_profile_is_read_wherever_a_device_is_named(tmp_path):
     device = replace(CPU_FIGURES, memory_gib=4.0, per_node=2, efficiency=Efficiency(0.3, 0.4, 0.2, 0.5))
     path = save_profile(device, str(tmp_path / "box.json"), {"runs": []})
     assert get_device(str(path)) == replace(device, name="box")
+    # Calibrating again under the same name keeps the earlier profile beside the new one.
+    save_profile(replace(device, memory_gib=8.0), str(path), {"runs": []})
+    assert get_device(str(path)).memory_gib == 8.0
+    [earlier] = tmp_path.glob("box.json.before-*")
+    assert json.loads(earlier.read_text())["device"]["memory_gib"] == 4.0
     # parallel=auto on the CPU: the profile's figures, a rank's share of the cores for this many ranks
     cpu = torch.device("cpu")
     planned = auto_device(cpu, 4, str(path))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 from trainer.errors import ConfigError
@@ -53,11 +54,15 @@ def load_profile(name: str) -> Device:
 
 def save_profile(device: Device, name: str, record: dict) -> Path:
     """Writes the profile, the device named after it (by a rename: a reader never sees half of it);
-    `record`: how it was made."""
+    `record`: how it was made. A profile already there is kept beside it, `NAME.json.before-DATE`."""
     path = profile_path(name)
     device = dataclasses.replace(device, name=path.stem)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     partial.write_text(json.dumps({"device": dataclasses.asdict(device), "calibration": record}, indent=1) + "\n")
+    if path.exists():
+        aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        path.rename(aside)
+        print(f"profile: the earlier {path.name} is kept as {aside}", flush=True)
     partial.replace(path)
     return path
