@@ -199,6 +199,52 @@ def check_muon(device, args) -> tuple[str, str]:
                                        f"{tflops:.1f} TFLOPs; {band}"
 
 
+def check_health_clock(device, args) -> tuple[str, str]:
+    """The straggler check's clocks over twelve steps of matmuls, in a one-rank gloo group: on CUDA,
+    events read without a host sync, the exchanges' included (one raises), the forward-backward
+    figure within 20% of the same matmuls timed around a synchronize."""
+    import torch.distributed as dist
+
+    from trainer.health import RankHealth
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cuda = device.type == "cuda"
+    size, repeats = (8192, 8) if cuda else (256, 4)
+    x = torch.randn(size, size, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    health = RankHealth(every=6, window=6, threshold=1.2, device=device, stage=0, group=None, log=print)
+    try:
+        for step in range(1, 13):
+            if cuda:  # any host sync raises, the exchanges' included
+                torch.cuda.set_sync_debug_mode("error")
+            health.start_step(step)
+            health.before_forward(step)
+            for _ in range(repeats):
+                y = x @ x
+            health.after_backward(step)
+            health.before_optimizer_step(step, torch.zeros((), device=device), 1)
+            y.mul_(0.5)
+            health.after_step(step)
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        dist.destroy_process_group()
+    if cuda:
+        torch.cuda.synchronize()
+    figures = health.own_figures()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        y = x @ x
+    if cuda:
+        torch.cuda.synchronize()
+    timed = time.perf_counter() - start
+    ratio = figures[1] / timed
+    ok = health.ratio == 1.0 and (0.8 <= ratio <= 1.2 if cuda else figures[1] > 0)
+    return ("PASS" if ok else "FAIL"), (f"{'CUDA events' if cuda else 'CPU time'}: forward-backward "
+                                        f"{figures[1] * 1e3:.2f} ms a step against {timed * 1e3:.2f} ms timed; "
+                                        f"{'no host sync; ' if cuda else ''}"
+                                        f"exchange {health.exchange_ms:.2f} ms")
+
+
 TRAIN = str(REPO / "train.py")  # the script the runs start (--train)
 
 
@@ -352,7 +398,7 @@ def print_row(name: str, run: Future) -> None:
 
 
 RUNS = [check_deepseek_run, check_llama_run, check_mixtral_run, check_checkpoint_resume]
-CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, check_muon, *RUNS]
+CHECKS = [check_sdpa_kernels, check_attention_kernels, check_moe_layer, check_muon, check_health_clock, *RUNS]
 
 
 def main() -> None:

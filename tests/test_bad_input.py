@@ -103,6 +103,9 @@ def _chat(tmp_path: Path, row: dict | None = None, template: str | None = "{{ me
 # name: (the overrides, given tmp_path; what the one line must say)
 MISTAKES = {
     "negative lr": (lambda p: ["training.lr=-1"], r"training.lr=-1.0 must be >= 0"),
+    "no health interval": (lambda p: ["metrics.health_every=0"], r"metrics.health_every=0 must be >= 1, or null"),
+    "a slow-rank threshold of 1": (lambda p: ["metrics.slow_rank_threshold=1"],
+                                   r"metrics.slow_rank_threshold=1.0 must be > 1"),
     "zero batch": (lambda p: ["training.global_batch_size=0"], r"training.global_batch_size=0 must be >= 1"),
     "beta2 above one": (lambda p: ["optim.beta2=1.5"], r"optim.beta2=1.5 must be in \[0, 1\)"),
     "unknown optimizer": (lambda p: ["optim=sgd"], r"optim=sgd is not a known optim; choose one of \['adamw', 'muon'"),

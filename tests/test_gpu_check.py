@@ -22,7 +22,7 @@ def test_gpu_check_runs_its_cpu_checks_and_its_table():
     lines = result.stdout.splitlines()
     assert lines[0].startswith("no GPU: the CUDA checks are skipped"), result.stdout + result.stderr
     checks = [line for line in lines if line.startswith(("PASS", "FAIL", "SKIP"))]
-    assert len(checks) == 8 and all(line.startswith("PASS") for line in checks), result.stdout + result.stderr
+    assert len(checks) == 9 and all(line.startswith("PASS") for line in checks), result.stdout + result.stderr
     assert result.returncode == 0
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| run ")]
     assert len(rows) == 8 and not any("failed" in row for row in rows), result.stdout

@@ -234,6 +234,12 @@ class MetricsConfig:
     # A step to record with torch's profiler on every rank (output_dir/profile/); null: none.
     profile_step: Optional[int] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Straggler detection (trainer/health.py): every `health_every` steps (null: never) the ranks'
+    # phase times over the last `slow_rank_window` steps are compared; a rank whose step would take
+    # more than `slow_rank_threshold` times the median rank's is named.
+    health_every: Optional[int] = 5
+    slow_rank_window: int = 10
+    slow_rank_threshold: float = 1.25
 
 
 @dataclass

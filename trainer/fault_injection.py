@@ -7,9 +7,13 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
     kill@6:1          rank 1 is killed (SIGKILL) after step 6's backward, before the optimizer step
     kill_save@4:1     rank 1 is killed while step 4's checkpoint is being saved: its shards written,
                       the checkpoint not yet published
+    slow@20:2         from step 20 on, rank 2 computes at half speed: before each forward it keeps
+                      the CPU busy for as long as its last forward and backward took (a slow device)
+    slow_data@20:1    from step 20 on, rank 1's batches come late by as long as its last forward and
+                      backward took (a slow filesystem)
 
-Each fault fires once per job: a file under output_dir/faults records it, so that a job restarted
-by its launcher, or a step run again after a rollback, runs clean. `FaultInjection` is a step part
+Each fault but the slowdowns fires once per job: a file under output_dir/faults records it, so that
+a job restarted by its launcher, or a step run again after a rollback, runs clean. `FaultInjection` is a step part
 (`before_forward`, `after_backward`) that also gives the data its `corrupt` and the checkpointer its
 `kill_save`; unset (the normal case), the loop holds no such part and nothing is injected.
 """
@@ -28,13 +32,14 @@ from trainer.models.head import IGNORE_INDEX
 from trainer.parts import StepPart
 from trainer.tensors import local_tensor
 
-KINDS = {"nan_grad", "garbage_batch", "hang", "kill", "kill_save"}
+KINDS = {"nan_grad", "garbage_batch", "hang", "kill", "kill_save", "slow", "slow_data"}
 
 
 class FaultInjection(StepPart):
     def __init__(self, spec: str, rank: int, output_dir: str, parameters=()):
         self.rank, self.fired, self.parameters = rank, Path(output_dir, "faults"), parameters
         self.steps: dict[str, set[int]] = {}
+        self.compute_s = 0.0  # this rank's last forward and backward, CPU seconds (what `slow` adds again)
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, where = item.partition("@")
             step, _, on_rank = where.partition(":")
@@ -71,10 +76,24 @@ class FaultInjection(StepPart):
                     time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def slowed(self, kind: str, step: int) -> bool:
+        """Whether a slowdown of `kind` holds at `step` (from its step on, every time)."""
+        return any(step >= start for start in self.steps.get(kind, ()))
+
+    def start_step(self, step: int) -> None:
+        if self.slowed("slow_data", step):
+            time.sleep(self.compute_s)
+
     def before_forward(self, step: int) -> None:
         self.hang_or_kill("hang", step)
+        if self.slowed("slow", step):
+            end = time.process_time() + self.compute_s
+            while time.process_time() < end:  # busy, as a slow device's rank is: its CPU time grows
+                pass
+        self.forward_started = time.process_time()
 
     def after_backward(self, step: int) -> None:
+        self.compute_s = time.process_time() - self.forward_started
         self.hang_or_kill("kill", step)
         if self.at("nan_grad", step):
             self.poison(self.parameters)

@@ -21,6 +21,7 @@ from trainer.fault_tolerance import OneGroup, ReplicaGroups
 from trainer.float8 import Float8Scales, float8_of, gathers_in_float8
 from trainer.float8 import describe as describe_float8
 from trainer.guards import StepGuard
+from trainer.health import RankHealth
 from trainer.loop import Trainer, resume
 from trainer.measured_memory import MemoryFigures
 from trainer.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
@@ -94,15 +95,18 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
         trainer.replicas = ReplicaGroups(job, model, optimizer, (trainer.progress, trainer.set_progress), device, log,
                                          watchdog.phase)
         trainer.replicas.set_step(step)
-    trainer.parts = StepParts(step_parts(job, dims, device, model, model_parts, watchdog, faults, step))
+    health = health_check(job, dims, device, trainer.stop.group, log)
+    trainer.parts = StepParts(step_parts(job, dims, device, model, model_parts, watchdog, health, faults, step))
     return trainer
 
 
 def step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module, model_parts: list,
-               watchdog: Watchdog, faults: FaultInjection | None, step: int) -> list:
+               watchdog: Watchdog, health: RankHealth | None, faults: FaultInjection | None, step: int) -> list:
     """The features acting around the step, in the order their hooks run: the watchdog first (a
-    fault then hangs inside the phase it names), the profiler around everything else."""
-    parts = [watchdog, StepProfiler(job.metrics.profile_step, job.output_dir, dist.get_rank(), device)]
+    fault then hangs inside the phase it names), the straggler check's clocks around the rest (an
+    injected slowdown is timed in its phase), the profiler around everything else."""
+    parts = [watchdog, *([health] if health else []),
+             StepProfiler(job.metrics.profile_step, job.output_dir, dist.get_rank(), device)]
     if faults is not None:
         parts.append(faults)
     if gathers_in_float8(float8_of(job.training)):
@@ -112,6 +116,15 @@ def step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: 
                                n_experts(job.model), device))
     parts.append(MemoryFigures(device, model.parameters(), step, job.training.compile, watchdog.allow_slow_step))
     return parts
+
+
+def health_check(job: JobConfig, dims: ParallelDims, device: torch.device, group, log) -> RankHealth | None:
+    """The straggler check, on jobs of several ranks with metrics.health_every set (collective)."""
+    m = job.metrics
+    if m.health_every is None or dims.world_size == 1:
+        return None
+    stage = dims.view("pp").get_local_rank() if dims.pp_enabled else 0
+    return RankHealth(m.health_every, m.slow_rank_window, m.slow_rank_threshold, device, stage, group, log)
 
 
 def build_data(job: JobConfig, dims: ParallelDims, dataset, val_dataset, faults: FaultInjection | None) -> StepData:
