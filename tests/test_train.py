@@ -9,7 +9,7 @@ from helpers import ENV, REPO, read_metrics, torchrun
 from omegaconf import OmegaConf
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib",
-          "elapsed_s", "time", "world_size", "restart"}
+          "elapsed_s", "eta_s", "time", "world_size", "restart"}
 SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
 
 
@@ -25,6 +25,10 @@ def test_torchrun_writes_metrics_config_console_lines_and_a_profile(tmp_path):
         assert record["tokens_per_s"] > 0 and record["mem_gib"] > record["mem_tensor_gib"] > 0 and 0 < record["mfu"] < 1
     assert records[-1]["loss"] < records[0]["loss"]
     assert result.stdout.count(" tok/s | ") == 4  # one console line per step, rank 0 only
+    assert records[-1]["eta_s"] == 0 and result.stdout.count("s left\n") == 4
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
+    assert summary[0].startswith("summary: trained steps 1-4 (4 steps, 1,024 tokens) in ") and len(summary) == 3
+    assert "GiB a rank (rank " in summary[1] and "0 optimizer step(s) skipped" in summary[1]
     saved = OmegaConf.load(tmp_path / "config.yaml")
     assert saved.parallel.dp_shard == -1 and saved.output_dir == str(tmp_path)
     for rank in (0, 1):  # step 3 on every rank: its trace, and its ops by time with FSDP's collectives

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
+from trainer.checkpoint.folders import checkpoint_steps
 from trainer.config import CheckpointConfig, JobConfig
 from trainer.data.microbatches import StepData
 from trainer.describe import describe_layout
@@ -27,6 +28,7 @@ from trainer.parallel.dims import ParallelDims
 from trainer.parts import StepPart, StepParts
 from trainer.steps import job_loss, supervised_count, supervised_scale
 from trainer.stop import StopRequest
+from trainer.summary import rank_peaks, summary_lines
 from trainer.watchdog import Watchdog
 
 
@@ -71,11 +73,13 @@ class Trainer:
         if self.step >= steps:
             self.log(f"nothing to train: already at step {self.step} (training.steps={steps}); "
                      f"raise training.steps to train on")
+        first = None  # the first step this run trains
         while self.step < steps:
             shares = self.quorum()
             if self.step >= steps:  # a peer this group recovered from had finished
                 break
             self.step += 1
+            first = first or self.step
             self.parts.start_step(self.step)
             result = self.train_step(self.data.train(self.step - 1, shares))
             self.parts.after_step(self.step)
@@ -86,7 +90,7 @@ class Trainer:
                 continue
             if self.log_and_save(*result):
                 break
-        self.finish()
+        self.finish(first)
 
     def train_step(self, rounds: list[list]) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """Forward, backward and the optimizer step over the step's microbatches (`rounds`: a list of
@@ -169,6 +173,7 @@ class Trainer:
             **self.parts.record(),
             "param_mib": self.param_mib,
             "elapsed_s": throughput["elapsed_s"],
+            "eta_s": throughput["eta_s"],
             "time": time.time(),
             "world_size": dims.world_size,
             "restart": restart_count(),
@@ -230,7 +235,9 @@ class Trainer:
             self.log(f"checkpoint: stopped at step {self.step} {why}: saved {self.checkpoint_dir}/step_{self.step}; "
                      f"run the same command to go on from it (checkpoint.resume=auto)")
 
-    def finish(self) -> None:
+    def finish(self, first: int | None) -> None:
+        peaks = rank_peaks(self.device, self.stop.group)
+        skipped = int(self.guard.skipped.item())
         self.stop.close()
         self.watchdog.slow("finishing")
         self.parts.close()
@@ -239,6 +246,12 @@ class Trainer:
         self.data.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if first is not None and peaks:  # rank 0, once this run has trained
+            saved = checkpoint_steps(self.checkpoint_dir) if self.checkpointer is not None else None
+            for line in summary_lines(first, self.step, self.training.steps, self.throughput.tokens_per_step,
+                                      time.perf_counter() - self.throughput.start, self.logger.speeds, peaks,
+                                      skipped, saved):
+                self.log(line)
         self.replicas.close()
         self.logger.close()
 

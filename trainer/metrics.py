@@ -10,6 +10,7 @@ import torch
 
 from trainer.hardware import cuda_peak_tflops, measure_cpu_tflops
 from trainer.models import family
+from trainer.summary import duration
 
 
 def flops_per_token(model, seq_len: int) -> float:
@@ -33,9 +34,10 @@ class Throughput:
     """Tokens per second and MFU of the whole job over the steps since `reset`."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float | None, world_size: int,
-                 step: int):
+                 step: int, last_step: int):
         self.tokens_per_step, self.flops, self.peak, self.world_size = (tokens_per_step, flops_per_token,
                                                                         peak_tflops, world_size)
+        self.last = last_step  # the run's final step: the time left is counted to it
         self.start = time.perf_counter()
         self.reset(step)
 
@@ -46,7 +48,8 @@ class Throughput:
         now = time.perf_counter()
         tokens_per_s = self.tokens_per_step * (step - self.last_step) / (now - self.last_time)
         mfu = None if self.peak is None else tokens_per_s * self.flops / (self.peak * 1e12 * self.world_size)
-        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": now - self.start}
+        eta = (self.last - step) * (now - self.last_time) / (step - self.last_step)  # at the rate since the last report
+        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": now - self.start, "eta_s": eta}
 
 
 class MetricsLogger:
@@ -59,6 +62,7 @@ class MetricsLogger:
         replica group's, until its first quorum): `begin(step)` says it."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.speeds: list[tuple[float, float | None]] = []  # this run's logged tokens/s and MFU, for its summary
         if start_step is not None:
             self.begin(start_step)
         self.wandb = None
@@ -90,6 +94,7 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.speeds.append((record["tokens_per_s"], record["mfu"]))
         print(format_record(record), flush=True)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
@@ -119,6 +124,8 @@ def format_record(r: dict) -> str:
         f"mem {r['mem_gib']:.2f} GiB",
         f"{r['elapsed_s']:.1f}s",
     ]
+    if "eta_s" in r:
+        parts.append(f"{duration(r['eta_s'])} left")
     if "val_loss" in r:
         parts.insert(2, f"val_loss {r['val_loss']:.4f}")
     if "aux_loss" in r:

@@ -87,7 +87,7 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
         replicas=OneGroup(), checkpointer=checkpointer, checkpoint_dir=checkpoint_dir,
         logger=MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config, None if deferred else step),
         throughput=Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
-                              dims.world_size, step),
+                              dims.world_size, step, t.steps),
         guard=StepGuard(t, device), stop=StopRequest(), watchdog=watchdog, param_mib=param_mib,
         predicted=predicted, deferred_resume=deferred,
     )
