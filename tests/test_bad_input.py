@@ -103,6 +103,8 @@ def _chat(tmp_path: Path, row: dict | None = None, template: str | None = "{{ me
 # name: (the overrides, given tmp_path; what the one line must say)
 MISTAKES = {
     "negative lr": (lambda p: ["training.lr=-1"], r"training.lr=-1.0 must be >= 0"),
+    "tensorboard without its package": (lambda p: ["metrics.tensorboard.enabled=true"],
+                                        r"metrics.tensorboard.enabled=true needs the tensorboard package: pip install"),
     "no health interval": (lambda p: ["metrics.health_every=0"], r"metrics.health_every=0 must be >= 1, or null"),
     "a slow-rank threshold of 1": (lambda p: ["metrics.slow_rank_threshold=1"],
                                    r"metrics.slow_rank_threshold=1.0 must be > 1"),
@@ -223,12 +225,15 @@ MISTAKES = {
 
 
 EXTRA = {"float8 layer it cannot take": NEEDS_TORCHAO, "lighthouse not reachable": NEEDS_TORCHFT}
+HIDDEN = {"tensorboard without its package": "tensorboard"}  # imports as if not installed
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=EXTRA.get(name, ())) for name in MISTAKES])
 def test_each_mistake_is_one_config_error_line_and_exit_2(name, tmp_path, capfd, monkeypatch):
     overrides, says = MISTAKES[name]
     monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "cache"))
+    if name in HIDDEN:
+        monkeypatch.setitem(sys.modules, HIDDEN[name], None)
     # plan.check=false: the memory plan runs in a process of its own, and has nothing to say here.
     argv = ["model=llama_debug", "+smoke=cpu", "training.steps=2", "training.seq_len=32", "plan.check=false",
             f"output_dir={tmp_path / 'out'}", *overrides(tmp_path)]

@@ -1,5 +1,5 @@
-"""The optional extras (float8: torchao, ft: torchft): without them the fast tier passes, each test
-that needs one skipping with the command that installs it."""
+"""The optional extras (float8: torchao, ft: torchft, tensorboard, plot: matplotlib): without them the
+fast tier passes, each test that needs one skipping with the command that installs it."""
 
 import subprocess
 import sys
@@ -10,9 +10,9 @@ from helpers import ENV, REPO
 
 @pytest.mark.multiprocess
 def test_the_fast_tier_passes_with_the_extras_hidden():
-    """As with only .[dev] installed: torchao and torchft import as if absent (conftest.py's
+    """As with only .[dev] installed: the extras' packages import as if absent (conftest.py's
     TRAINER_TEST_HIDE)."""
-    env = {**ENV, "TRAINER_TEST_HIDE": "torchao,torchft"}
+    env = {**ENV, "TRAINER_TEST_HIDE": "torchao,torchft,tensorboard,matplotlib"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not multiprocess", "-p", "no:cacheprovider",
                              "-rs", "-o", "addopts="], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=400)

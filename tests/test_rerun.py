@@ -3,7 +3,9 @@ nothing and keeps its config.yaml, a resume with other training settings is refu
 folder is never overwritten (moved aside instead), and metrics.jsonl holds each step once."""
 
 import hashlib
+import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,18 @@ from helpers import launch, read_metrics
 
 RUN = ("model=llama_debug", "+smoke=cpu", "training.seq_len=32", "training.global_batch_size=2", "model.n_layers=1",
        "checkpoint.enabled=true", "checkpoint.interval=2")
+TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # CI installs it (.[tensorboard])
+if TENSORBOARD:
+    RUN += ("metrics.tensorboard.enabled=true",)
+
+
+def tensorboard_steps(out: Path) -> dict[str, list[int]]:
+    """Each scalar's steps as TensorBoard's own reader shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def run(out: Path, *overrides: str):
@@ -49,6 +63,17 @@ def test_reruns_keep_what_is_there(tmp_path):
     # Resumed further: each step once in metrics.jsonl.
     run(out, "training.steps=6")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    # Resumed from step 4 after steps 5 and 6 were logged (their checkpoint lost): each step once, the
+    # second run's, in metrics.jsonl and in TensorBoard, every scalar of the record there.
+    shutil.rmtree(out / "checkpoints" / "step_6")
+    run(out, "training.steps=6")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    if TENSORBOARD:
+        steps = tensorboard_steps(out)
+        last = read_metrics(out)[-1]
+        numeric = {k for k, v in last.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        assert numeric <= steps.keys() and "loss" in steps, (numeric, steps.keys())
+        assert all(s == [1, 2, 3, 4, 5, 6] for s in steps.values()), steps
 
     # Checkpoints without their manifests are skipped by resume=auto, and the fresh run's saves of the
     # same steps move them aside, byte for byte; the earlier metrics go aside too.
@@ -64,3 +89,6 @@ def test_reruns_keep_what_is_there(tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
     (old,) = out.glob("metrics.before-*.jsonl")
     assert [json.loads(line)["step"] for line in old.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    if TENSORBOARD:  # the fresh run's curves alone; the earlier ones aside
+        assert all(s == [1, 2, 3, 4, 5, 6] for s in tensorboard_steps(out).values())
+        assert len(list(out.glob("tensorboard.before-*"))) == 1

@@ -227,6 +227,11 @@ class WandbConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    enabled: bool = False  # every figure of metrics.jsonl as scalars, under output_dir/tensorboard (rank 0)
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 10
     # null: unknown (mfu is null on CPU); a number in TFLOP/s per device; "auto": time a matmul.
@@ -234,6 +239,7 @@ class MetricsConfig:
     # A step to record with torch's profiler on every rank (output_dir/profile/); null: none.
     profile_step: Optional[int] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     # Straggler detection (trainer/health.py): every `health_every` steps (null: never) the ranks'
     # phase times over the last `slow_rank_window` steps are compared; a rank whose step would take
     # more than `slow_rank_threshold` times the median rank's is named.

@@ -56,13 +56,15 @@ class MetricsLogger:
     """Rank 0's record of training: one JSON line and one console line per logged step."""
 
     def __init__(self, output_dir: str, enabled: bool, wandb_cfg=None, config: dict | None = None,
-                 start_step: int | None = 0):
-        """A run resumed at `start_step` keeps the file's rows up to it (each step is in the file once);
-        a fresh run into a folder that has one moves it aside. None: the step is not known yet (a
-        replica group's, until its first quorum): `begin(step)` says it."""
+                 start_step: int | None = 0, tensorboard: bool = False):
+        """A run resumed at `start_step` keeps the file's rows up to it (each step is in the file once),
+        and TensorBoard hides its later steps; a fresh run into a folder that has one moves it aside.
+        None: the step is not known yet (a replica group's, until its first quorum): `begin(step)` says it."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.speeds: list[tuple[float, float | None]] = []  # this run's logged tokens/s and MFU, for its summary
+        self.tensorboard = Path(output_dir) / "tensorboard" if enabled and tensorboard else None
+        self.writer = None
         if start_step is not None:
             self.begin(start_step)
         self.wandb = None
@@ -76,6 +78,16 @@ class MetricsLogger:
     def begin(self, step: int) -> None:
         if self.enabled and self.path.exists():
             self._keep_until(step)
+        if self.tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            if step == 0 and any(self.tensorboard.glob("events.*")):  # an earlier run's curves, kept aside
+                aside = self.tensorboard.with_name(f"tensorboard.before-{time.strftime('%Y%m%d-%H%M%S')}")
+                self.tensorboard.rename(aside)
+                print(f"metrics: {self.tensorboard} held an earlier run's events; moved it to {aside.name}", flush=True)
+            # A resumed run's events after its step (written before it stopped) are purged from the
+            # curves: each step shows once.
+            self.writer = SummaryWriter(str(self.tensorboard), purge_step=step + 1 if step else None)
 
     def _keep_until(self, step: int) -> None:
         if step == 0:
@@ -95,6 +107,11 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.speeds.append((record["tokens_per_s"], record["mfu"]))
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, record["step"], walltime=record["time"])
+            self.writer.flush()
         print(format_record(record), flush=True)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
@@ -102,6 +119,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _step_of(line: str) -> float:

@@ -82,6 +82,9 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     if profile_step is not None and not 1 <= profile_step <= job.training.steps:
         raise ConfigError(f"metrics.profile_step={profile_step} must be a step of the run, "
                           f"1..training.steps={job.training.steps}")
+    if job.metrics.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("metrics.tensorboard.enabled=true needs the tensorboard package: "
+                          "pip install -e \".[tensorboard]\"")
     peak = job.metrics.peak_tflops
     if not (peak is None or peak == "auto" or (isinstance(peak, (int, float)) and peak > 0)):
         raise ConfigError(f"metrics.peak_tflops={peak} must be null, a positive number or auto")
