@@ -36,7 +36,14 @@ class Run:
 
     @property
     def layout(self) -> str:
-        p = self.config.get("parallel", {})
+        """Its mesh's degrees other than 1 (dp_shard=-1 resolved from the world size it ran on)."""
+        p = dict(self.config.get("parallel", {}))
+        world = next(iter(self.steps.values())).get("world_size")
+        if p.get("dp_shard") == -1 and world:
+            others = 1
+            for k in ("pp", "dp_replicate", "cp", "tp"):
+                others *= p.get(k) or 1
+            p["dp_shard"] = world // others
         degrees = [f"{k}={p[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if p.get(k, 1) != 1]
         return " ".join(degrees) or "one process"
 
