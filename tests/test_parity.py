@@ -12,11 +12,12 @@ Mixtral have references and tolerances of their own (below).
 
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, train_metrics
+from helpers import REPO, read_metrics, train_metrics
 from reference import cross_entropy
 
 from trainer import build_model, load_weights
@@ -27,6 +28,9 @@ from trainer.data import BatchLoader, build_dataset, sentence
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+
+sys.path.insert(0, str(REPO / "scripts"))
+import compare_runs  # noqa: E402
 
 STEPS = 4
 # The tolerances scripts/compare_runs.py holds users' runs to. Tensor-parallel layouts reach 1.1e-3 on
@@ -180,6 +184,14 @@ def test_layout_matches_single_process(layout, reference, reference_dir, tmp_pat
     check_against(reference, records, layout, RTOL, GRAD_NORM_RTOL)
     # What a user's scripts/compare_runs.py says of the two.
     assert compare(read_run(reference_dir), read_run(tmp_path)).within
+
+
+@pytest.mark.multiprocess
+def test_another_seed_is_another_curve_to_compare_runs(reference_dir, tmp_path, capsys):
+    """The comparison a user runs passes every layout above and fails the same run with another seed."""
+    train_metrics(1, "+recipe=llama_fsdp", *COMMON, *PLAIN, "training.seed=1", output_dir=tmp_path)
+    assert compare_runs.main([str(reference_dir), str(tmp_path)]) == 1
+    assert "different curves from step 1: " in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess
