@@ -13,9 +13,10 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
                       backward took (a slow filesystem)
 
 Each fault but the slowdowns fires once per job: a file under output_dir/faults records it, so that
-a job restarted by its launcher, or a step run again after a rollback, runs clean. `FaultInjection` is a step part
-(`before_forward`, `after_backward`) that also gives the data its `corrupt` and the checkpointer its
-`kill_save`; unset (the normal case), the loop holds no such part and nothing is injected.
+a job restarted by its launcher, or a step run again after a rollback, runs clean. `FaultInjection` is
+a step part (`start_step`, `before_forward`, `after_backward`) that also gives the data its `corrupt`
+and the checkpointer its `kill_save`; unset (the normal case), the loop holds no such part and nothing
+is injected.
 """
 
 from __future__ import annotations
