@@ -3,13 +3,13 @@
 `check_job` is the one entry: train.py runs it on every rank before joining the process group,
 scripts/plan.py before planning, and the layout search on each candidate it enumerates. Rules on
 the model's shape come before the degree rules: they name the key the user most likely got wrong.
-Rules that need the data (the tokenizer's vocabulary) stay with the data.
+Rules that need the data (the tokenizer's vocabulary) stay with the data; the rules between the
+parallel degrees are trainer/layout_rules.py's.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import shutil
 from pathlib import Path
@@ -32,12 +32,11 @@ from trainer.data.chat import FORMATS, OVERLONG
 from trainer.errors import ConfigError
 from trainer.fault_tolerance import check_available, group_view
 from trainer.float8 import check_float8, check_float8_layers
+from trainer.layout_rules import resolve_layout
 from trainer.models import build_model, family
 from trainer.models.moe_config import MoEConfig, n_experts
-from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE, min_microbatches, stages_per_rank
+from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.ranges import check_ranges
 from trainer.tensors import DTYPES, param_dtype
 from trainer.tokenizer import is_bytes
@@ -166,168 +165,6 @@ def compile_missing(device: str) -> str | None:
         return None if importlib.util.find_spec("triton") else "the triton package is not installed"
     compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
     return None if any(c and shutil.which(c) for c in compilers) else "no C++ compiler (g++, clang++) on PATH"
-
-
-def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig,
-                   world_size: int) -> ParallelDims:
-    """The layout of `parallel` on `world_size` ranks: `-1` degrees resolved, every degree rule
-    checked, and the accumulation steps derived (`dims.grad_accum_steps`: from `training.micro_batch_size`
-    when it is set, else `training.grad_accum_steps`)."""
-    degrees = {k: getattr(parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
-    for key, value in degrees.items():
-        if value == 0 or value < -1 or (value == -1 and key not in ("dp_replicate", "dp_shard", "ep")):
-            rule = "must be >= 1 or -1 (the rest)" if key in ("dp_replicate", "dp_shard", "ep") else "must be >= 1"
-            raise ConfigError(f"parallel.{key}={value} {rule}")
-    if degrees["dp_replicate"] == degrees["dp_shard"] == -1:
-        raise ConfigError("parallel.dp_replicate=-1 and parallel.dp_shard=-1: only one of them can take the rest")
-    _check_model_rules(degrees, parallel, model, training)
-
-    for key in ("dp_replicate", "dp_shard"):
-        if degrees[key] == -1:
-            others = math.prod(v for k, v in degrees.items() if k not in (key, "ep"))
-            if world_size % others:
-                names = "*".join(k for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if k != key)
-                raise ConfigError(f"parallel.{key}=-1 needs the world size {world_size} to be divisible by "
-                                  f"{names}={others}")
-            degrees[key] = world_size // others
-    product = math.prod(degrees[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
-    if product != world_size:
-        raise ConfigError(
-            f"parallel: pp*dp_replicate*dp_shard*cp*tp={product} must equal the world size {world_size} "
-            f"(pp={degrees['pp']}, dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']}, "
-            f"cp={degrees['cp']}, tp={degrees['tp']}); for a job whose world size can change (an elastic "
-            f"launch, a restart on fewer or more nodes), set parallel.dp_shard=-1 or parallel.dp_replicate=-1"
-        )
-    _resolve_ep(degrees, model)
-
-    dims = ParallelDims(world_size=world_size, moe=n_experts(model) > 0, **degrees)
-    if training.micro_batch_size is not None:
-        dims.grad_accum_steps = _grad_accum_steps(training, dims.dp)
-    else:
-        dims.grad_accum_steps = training.grad_accum_steps
-    per_step = dims.dp * dims.grad_accum_steps
-    if training.global_batch_size % per_step:
-        raise ConfigError(
-            f"training.global_batch_size={training.global_batch_size} must be divisible by "
-            f"dp*grad_accum_steps={per_step} (dp={dims.dp}, grad_accum_steps={dims.grad_accum_steps})"
-        )
-    if dims.pp_enabled:
-        dims.pp_stages_per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
-        n_stages = dims.pp * dims.pp_stages_per_rank
-        dims.pp_microbatches = parallel.pp_microbatches or n_stages
-        batch = training.global_batch_size // per_step
-        if batch % dims.pp_microbatches:
-            raise ConfigError(
-                f"parallel.pp_microbatches={dims.pp_microbatches} must divide the batch each pipeline step runs, "
-                f"global_batch_size/(dp*grad_accum_steps)={batch}"
-            )
-        minimum = min_microbatches(parallel.pp_schedule, dims.pp, n_stages)
-        if dims.pp_microbatches < minimum:
-            raise ConfigError(
-                f"parallel.pp_microbatches={dims.pp_microbatches} must be >= {minimum} for "
-                f"parallel.pp_schedule={parallel.pp_schedule} with {n_stages} stages on parallel.pp={dims.pp} ranks"
-            )
-    return dims
-
-
-def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig) -> None:
-    tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
-    for key, width in family(model.family).tp_divides(model).items():
-        if width % tp:
-            raise ConfigError(f"parallel.tp={tp} must divide model.{key}={width}")
-    if parallel.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} is unknown; choose one of {list(PP_SCHEDULES)}")
-    if pp > model.n_layers:
-        raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
-    if pp > 1:
-        _check_pipeline_rules(pp, parallel, model)
-    if cp > 1:
-        if parallel.cp_method not in CP_METHODS:
-            raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of {list(CP_METHODS)}")
-        # Each cp rank holds two chunks of the sequence (load balancing, see context_parallel.py).
-        if training.seq_len % (2 * cp):
-            raise ConfigError(f"parallel.cp={cp} needs training.seq_len={training.seq_len} divisible by 2*cp={2 * cp}: "
-                              f"each cp rank holds two equal chunks of the sequence")
-    if training.seq_len > model.max_seq_len:
-        raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len} "
-                          f"(set training.seq_len; +smoke=cpu sets 128 for a CPU run)")
-    if tp > 1:
-        if parallel.loss_parallel and model.vocab_size % tp:
-            raise ConfigError(
-                f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} when parallel.loss_parallel=true"
-            )
-        shards = tp * (2 * cp if cp > 1 else 1)
-        if parallel.sequence_parallel and training.seq_len % shards:
-            with_cp = f" x 2*cp={2 * cp}" if cp > 1 else ""
-            raise ConfigError(
-                f"parallel.tp={tp}{with_cp} must divide training.seq_len={training.seq_len} "
-                f"when parallel.sequence_parallel=true"
-            )
-        if model.tie_embeddings:
-            raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
-                              f"are split on different dimensions")
-
-
-def _grad_accum_steps(training: TrainingConfig, dp: int) -> int:
-    """The accumulation steps that make up the global batch from micro_batch_size sequences per
-    data-parallel rank: more of them when the world shrinks, fewer when it grows. They replace
-    grad_accum_steps (a recipe's own included)."""
-    micro = training.micro_batch_size
-    if training.global_batch_size % (dp * micro):
-        raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be divisible by "
-                          f"dp*micro_batch_size={dp * micro} (dp={dp}, micro_batch_size={micro})")
-    return training.global_batch_size // (dp * micro)
-
-
-def _resolve_ep(degrees: dict, model: ModelConfig) -> None:
-    """ep is taken from the dp_shard x cp ranks; -1 means all of them (1 for a dense model)."""
-    ep, ranks, experts = degrees["ep"], degrees["dp_shard"] * degrees["cp"], n_experts(model)
-    if ep == -1:
-        degrees["ep"] = ep = ranks if experts else 1
-    if ep > 1 and not experts:
-        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
-    if experts % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={experts}")
-    if ranks % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide the ranks it is taken from, dp_shard*cp={ranks} "
-                          f"(dp_shard={degrees['dp_shard']}, cp={degrees['cp']})")
-
-
-def _check_pipeline_rules(pp: int, parallel: ParallelConfig, model: ModelConfig) -> None:
-    per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
-    schedule = parallel.pp_schedule
-    if schedule in SINGLE_STAGE and per_rank != 1:
-        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 1 for parallel.pp_schedule={schedule}")
-    if schedule in V_SHAPED and per_rank != 2:
-        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 2 for parallel.pp_schedule={schedule}")
-    if per_rank < 1:
-        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be >= 1")
-    n_stages = pp * per_rank
-    if n_stages > model.n_layers:
-        raise ConfigError(
-            f"parallel.pp={pp} x pp_stages_per_rank={per_rank} = {n_stages} stages must not exceed "
-            f"model.n_layers={model.n_layers}: every stage needs a layer"
-        )
-    if model.tie_embeddings:
-        raise ConfigError(f"parallel.pp={pp} needs model.tie_embeddings=false: the embedding and the output "
-                          f"head sit on different stages")
-    if parallel.pp_stage_modules is not None:
-        _check_stage_modules(parallel.pp_stage_modules, n_stages, model)
-
-
-def _check_stage_modules(stages: list[list[str]], n_stages: int, model: ModelConfig) -> None:
-    """An explicit split must name every module once, in model order, with a layer on every stage."""
-    spec = family(model.family)
-    expected = spec.pipeline_units(model.n_layers)
-    given = [name for stage in stages for name in stage]
-    if len(stages) != n_stages or given != expected or any(
-        not any(spec.is_block(name) for name in stage) for stage in stages
-    ):
-        raise ConfigError(
-            f"parallel.pp_stage_modules must be {n_stages} lists that together name {expected[0]}, "
-            f"{expected[1]} .. {expected[model.n_layers]}, {', '.join(expected[model.n_layers + 1:])} once each "
-            f"in that order, each with a layer"
-        )
 
 
 def check_checkpoint(cfg: CheckpointConfig) -> None:
