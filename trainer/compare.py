@@ -7,6 +7,7 @@ checkpoint or trained by a new version of this trainer can be checked the same w
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +41,7 @@ class Run:
         p = dict(self.config.get("parallel", {}))
         world = next(iter(self.steps.values())).get("world_size")
         if p.get("dp_shard") == -1 and world:
-            others = 1
-            for k in ("pp", "dp_replicate", "cp", "tp"):
-                others *= p.get(k) or 1
-            p["dp_shard"] = world // others
+            p["dp_shard"] = world // math.prod(p.get(k) or 1 for k in ("pp", "dp_replicate", "cp", "tp"))
         degrees = [f"{k}={p[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if p.get(k, 1) != 1]
         return " ".join(degrees) or "one process"
 

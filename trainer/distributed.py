@@ -92,6 +92,15 @@ def gloo_group() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=_timeout)
 
 
+def gather_floats(values: list[float], group) -> list[list[float]]:
+    """Every rank's `values` on rank 0, in rank order; [] elsewhere (collective: a gather on `group`,
+    a gloo group: host numbers, nothing waits for the device)."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))] if dist.get_rank() == 0 else None
+    dist.gather(mine, gathered, dst=0, group=group)
+    return [g.tolist() for g in gathered] if gathered else []
+
+
 def set_timeouts(meshes) -> None:
     """Gives every process group of these device meshes the job's timeout."""
     for mesh in meshes:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.distributed import gather_floats
 from trainer.parts import StepPart
 
 PHASES = ("data", "forward_backward", "optimizer")
@@ -80,11 +81,8 @@ class PhaseClock:
         return not self.cuda or mark.query()
 
     def seconds(self, start, end) -> float:
-        """Between two marks; a CUDA mark the device has not passed yet is waited for."""
-        if not self.cuda:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
+        """Between two marks the device has passed (`done`)."""
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
 
 
 class RankHealth(StepPart):
@@ -134,12 +132,10 @@ class RankHealth(StepPart):
     def exchange(self) -> None:
         """Collective (a gloo gather to rank 0): every rank's figures; rank 0 judges and says."""
         started = time.perf_counter()
-        mine = torch.tensor(self.own_figures(), dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in self.stages] if self.rank == 0 else None
-        dist.gather(mine, gathered, dst=0, group=self.group)
+        figures = gather_floats(self.own_figures(), self.group)
         self.exchange_ms = (time.perf_counter() - started) * 1000
         if self.rank == 0:
-            self.judge([g.tolist() for g in gathered])
+            self.judge(figures)
 
     def judge(self, figures: list[list[float]]) -> None:
         first, last = self.steps[0][0], self.steps[-1][0]

@@ -34,10 +34,10 @@ class Throughput:
     """Tokens per second and MFU of the whole job over the steps since `reset`."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float | None, world_size: int,
-                 step: int, last_step: int):
+                 step: int, final_step: int):
         self.tokens_per_step, self.flops, self.peak, self.world_size = (tokens_per_step, flops_per_token,
                                                                         peak_tflops, world_size)
-        self.last = last_step  # the run's final step: the time left is counted to it
+        self.final_step = final_step  # the time left is counted to it
         self.start = time.perf_counter()
         self.reset(step)
 
@@ -48,7 +48,8 @@ class Throughput:
         now = time.perf_counter()
         tokens_per_s = self.tokens_per_step * (step - self.last_step) / (now - self.last_time)
         mfu = None if self.peak is None else tokens_per_s * self.flops / (self.peak * 1e12 * self.world_size)
-        eta = (self.last - step) * (now - self.last_time) / (step - self.last_step)  # at the rate since the last report
+        # The time left, at the rate since the last report.
+        eta = (self.final_step - step) * (now - self.last_time) / (step - self.last_step)
         return {"tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": now - self.start, "eta_s": eta}
 
 
@@ -82,18 +83,14 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             if step == 0 and any(self.tensorboard.glob("events.*")):  # an earlier run's curves, kept aside
-                aside = self.tensorboard.with_name(f"tensorboard.before-{time.strftime('%Y%m%d-%H%M%S')}")
-                self.tensorboard.rename(aside)
-                print(f"metrics: {self.tensorboard} held an earlier run's events; moved it to {aside.name}", flush=True)
+                _move_aside(self.tensorboard, "tensorboard.before-{}", "events")
             # A resumed run's events after its step (written before it stopped) are purged from the
             # curves: each step shows once.
             self.writer = SummaryWriter(str(self.tensorboard), purge_step=step + 1 if step else None)
 
     def _keep_until(self, step: int) -> None:
         if step == 0:
-            aside = self.path.with_name(f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-            self.path.rename(aside)
-            print(f"metrics: {self.path} held an earlier run's rows; moved it to {aside.name}", flush=True)
+            _move_aside(self.path, "metrics.before-{}.jsonl", "rows")
             return
         rows = self.path.read_text().splitlines(keepends=True)
         kept = [line for line in rows if _step_of(line) <= step]
@@ -121,6 +118,13 @@ class MetricsLogger:
             self.wandb.finish()
         if self.writer is not None:
             self.writer.close()
+
+
+def _move_aside(path: Path, pattern: str, what: str) -> None:
+    """Renames an earlier run's `path` beside itself (`pattern` with the time), saying so."""
+    aside = path.with_name(pattern.format(time.strftime("%Y%m%d-%H%M%S")))
+    path.rename(aside)
+    print(f"metrics: {path} held an earlier run's {what}; moved it to {aside.name}", flush=True)
 
 
 def _step_of(line: str) -> float:

@@ -8,8 +8,8 @@ import statistics
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from trainer.distributed import gather_floats
 from trainer.measured_memory import peak_memory_gib
 
 
@@ -51,9 +51,7 @@ def summary_lines(first: int, last: int, total_steps: int, tokens_per_step: int,
     return lines
 
 
+
 def rank_peaks(device: torch.device, group) -> list[float]:
-    """Every rank's peak memory (GiB) on rank 0, [] elsewhere (collective: a gather on `group`, gloo)."""
-    mine = torch.tensor([peak_memory_gib(device)], dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))] if dist.get_rank() == 0 else None
-    dist.gather(mine, gathered, dst=0, group=group)
-    return [g.item() for g in gathered] if gathered else []
+    """Every rank's peak memory (GiB) on rank 0, [] elsewhere (collective)."""
+    return [row[0] for row in gather_floats([peak_memory_gib(device)], group)]
