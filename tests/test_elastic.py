@@ -36,7 +36,7 @@ from trainer.rules import check_job
 JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=64", "training.global_batch_size=8",
        "training.lr=3e-3", "training.warmup_steps=2", "checkpoint.enabled=true", "checkpoint.interval=2")
 STEPS = 10  # of a restarted job
-ELASTIC_STEPS = 16  # of the elastic job: time for a second agent to start and join
+ELASTIC_STEPS = 20  # of the elastic job: time for a third agent to start and join (16 left 3 steps to spare)
 ELASTIC = (f"training.steps={ELASTIC_STEPS}", "parallel=auto")
 EXACT = 1e-6  # the same world, resumed
 RESHARDED = 1e-4  # another world size: the parity tolerance
