@@ -9,6 +9,7 @@ import torch
 
 from trainer.data import document_positions
 from trainer.models import attention as kernels
+from trainer.models import attention_kernels as fused
 from trainer.models.attention import Mask, attention, block_forward
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # of the largest value of each tensor
@@ -101,7 +102,7 @@ def test_the_memory_efficient_backward_gets_the_output_laid_out_as_its_forward_w
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", kernel)
     q, k, v = (x.detach() for x in inputs(8, 8, 2, torch.bfloat16, seed=0))
     out = torch.randn(2, 4, 8, 16).to(torch.bfloat16)
-    kernels._efficient_backward(torch.ones_like(out), q, k, v, out, torch.zeros(2, 4, 8), True, None)
+    fused._efficient_backward(torch.ones_like(out), q, k, v, out, torch.zeros(2, 4, 8), True, None)
     assert torch.equal(given["out"], out) and given["out"].transpose(1, 2).is_contiguous()
 
 
