@@ -1,16 +1,20 @@
 """Faults a long run meets, injected on purpose (TRAINER_FAULTS): a rank stuck while the others wait
-in a collective, and a disk that fills during a save. (Ranks killed mid-step and mid-save, and torchrun
-restarting them, are in test_elastic.py.)"""
+in a collective, a rank paused until the job is asked to stop, and a disk that fills during a save.
+(Ranks killed mid-step and mid-save, and torchrun restarting them, are in test_elastic.py.)"""
 
 import re
+import signal
 import subprocess
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import launch, read_metrics
 
 from trainer import build_model
+from trainer.fault_injection import FaultInjection
 from trainer.models import model_config as load_model_config
 
 SMALL = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=32",
@@ -77,3 +81,18 @@ def test_a_disk_that_fills_during_a_save_stops_the_job_and_keeps_the_last_checkp
     assert stopped and float(stopped[2]) < 0.5 * size / 2**20, result.stderr[-3000:]
     assert saved == ["step_2"]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_paused_rank_waits_for_the_stop_once_per_job(tmp_path):
+    stop = SimpleNamespace(received=None)
+    faults = FaultInjection("pause@3", 0, str(tmp_path), stop=stop)
+    started = time.monotonic()
+    faults.before_forward(2)  # another step: no wait
+    assert time.monotonic() - started < 0.1
+    threading.Timer(0.3, lambda: setattr(stop, "received", signal.SIGTERM)).start()
+    faults.before_forward(3)
+    assert 0.3 <= time.monotonic() - started < 10
+    # The job started again (its launcher's restart, a grown world): the step runs through.
+    started = time.monotonic()
+    FaultInjection("pause@3", 0, str(tmp_path), stop=SimpleNamespace(received=None)).before_forward(3)
+    assert time.monotonic() - started < 0.1

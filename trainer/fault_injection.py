@@ -4,6 +4,9 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
     nan_grad@5        after step 5's backward, a gradient of the rank is NaN
     garbage_batch@12  step 12 trains on scrambled tokens (every rank unless one is named): a loss spike
     hang@4:1          rank 1 sleeps at the start of step 4's forward, while the others wait for it
+    pause@10          rank 0 waits at the start of step 10's forward until the job is asked to stop
+                      (a signal: a preemption, a node joining an elastic job; at most 10 minutes),
+                      then trains the step, which the job saves
     kill@6:1          rank 1 is killed (SIGKILL) after step 6's backward, before the optimizer step
     kill_save@4:1     rank 1 is killed while step 4's checkpoint is being saved: its shards written,
                       the checkpoint not yet published
@@ -31,14 +34,16 @@ import torch
 from trainer.errors import ConfigError
 from trainer.models.head import IGNORE_INDEX
 from trainer.parts import StepPart
+from trainer.stop import StopRequest
 from trainer.tensors import local_tensor
 
-KINDS = {"nan_grad", "garbage_batch", "hang", "kill", "kill_save", "slow", "slow_data"}
+KINDS = {"nan_grad", "garbage_batch", "hang", "pause", "kill", "kill_save", "slow", "slow_data"}
+PAUSE_S = 600  # the longest a `pause` waits for the stop
 
 
 class FaultInjection(StepPart):
-    def __init__(self, spec: str, rank: int, output_dir: str, parameters=()):
-        self.rank, self.fired, self.parameters = rank, Path(output_dir, "faults"), parameters
+    def __init__(self, spec: str, rank: int, output_dir: str, parameters=(), stop: StopRequest | None = None):
+        self.rank, self.fired, self.parameters, self.stop = rank, Path(output_dir, "faults"), parameters, stop
         self.steps: dict[str, set[int]] = {}
         self.compute_s = 0.0  # this rank's last forward and backward, CPU seconds (what `slow` adds again)
         for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -51,10 +56,10 @@ class FaultInjection(StepPart):
                 self.steps.setdefault(kind, set()).add(int(step))
 
     @classmethod
-    def from_env(cls, rank: int, output_dir: str, parameters) -> FaultInjection | None:
+    def from_env(cls, rank: int, output_dir: str, parameters, stop: StopRequest) -> FaultInjection | None:
         """The faults TRAINER_FAULTS asks of this rank; None when it is unset."""
         spec = os.environ.get("TRAINER_FAULTS", "")
-        return cls(spec, rank, output_dir, parameters) if spec else None
+        return cls(spec, rank, output_dir, parameters, stop) if spec else None
 
     def at(self, kind: str, step: int) -> bool:
         """Whether to inject `kind` at `step`: the first time this job gets there."""
@@ -87,6 +92,10 @@ class FaultInjection(StepPart):
 
     def before_forward(self, step: int) -> None:
         self.hang_or_kill("hang", step)
+        if self.at("pause", step):
+            deadline = time.monotonic() + PAUSE_S
+            while self.stop.received is None and time.monotonic() < deadline:
+                time.sleep(0.05)
         if self.slowed("slow", step):
             end = time.process_time() + self.compute_s
             while time.process_time() < end:  # busy, as a slow device's rank is: its CPU time grows

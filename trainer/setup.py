@@ -63,7 +63,8 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     if hasattr(optimizer, "describe"):
         log(optimizer.describe())
     state = TrainState(model_parts, optimizer)
-    faults = FaultInjection.from_env(rank, job.output_dir, model.parameters())
+    stop = StopRequest()
+    faults = FaultInjection.from_env(rank, job.output_dir, model.parameters(), stop)
     data = build_data(job, dims, dataset, val_dataset, faults)
     checkpoint_dir = output_dir / "checkpoints"
     # A replica group takes its state at its first quorum: from a peer group when one is past step 0,
@@ -89,7 +90,7 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
                              job.metrics.tensorboard.enabled),
         throughput=Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
                               dims.world_size, step, t.steps),
-        guard=StepGuard(t, device), stop=StopRequest(), watchdog=watchdog, param_mib=param_mib,
+        guard=StepGuard(t, device), stop=stop, watchdog=watchdog, param_mib=param_mib,
         predicted=predicted, deferred_resume=deferred,
     )
     if job.fault_tolerance.enabled:
