@@ -51,7 +51,6 @@ def summary_lines(first: int, last: int, total_steps: int, tokens_per_step: int,
     return lines
 
 
-
 def rank_peaks(device: torch.device, group) -> list[float]:
     """Every rank's peak memory (GiB) on rank 0, [] elsewhere (collective)."""
     return [row[0] for row in gather_floats([peak_memory_gib(device)], group)]
