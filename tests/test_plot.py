@@ -3,6 +3,7 @@
 import json
 import sys
 
+import pytest
 import yaml
 from helpers import REPO, needs
 
@@ -12,6 +13,8 @@ import plot_run  # noqa: E402
 from trainer.compare import read_run  # noqa: E402
 
 NEEDS_MATPLOTLIB = needs("matplotlib", "plot")
+# matplotlib's first plot on a machine builds its font cache, which runs one `fc-list`: a tool's command.
+BUILDS_FONT_CACHE = pytest.mark.tool
 
 
 def write_run(path, scale=1.0, parallel=None, world=1):
@@ -25,6 +28,7 @@ def write_run(path, scale=1.0, parallel=None, world=1):
 
 
 @NEEDS_MATPLOTLIB
+@BUILDS_FONT_CACHE
 def test_one_run_is_a_png_of_its_panels(tmp_path, capsys):
     from PIL import Image
 
@@ -40,6 +44,7 @@ def test_one_run_is_a_png_of_its_panels(tmp_path, capsys):
 
 
 @NEEDS_MATPLOTLIB
+@BUILDS_FONT_CACHE
 def test_several_runs_share_the_axes_named_by_their_layouts(tmp_path):
     a = write_run(tmp_path / "fsdp", parallel={"dp_shard": -1, "tp": 1}, world=4)
     b = write_run(tmp_path / "tp2", 1.01, parallel={"dp_shard": -1, "tp": 2}, world=4)
