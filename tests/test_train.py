@@ -24,6 +24,13 @@ def test_torchrun_writes_metrics_config_console_lines_and_a_profile(tmp_path):
         assert FIELDS <= record.keys()
         assert record["tokens_per_s"] > 0 and record["mem_gib"] > record["mem_tensor_gib"] > 0 and 0 < record["mfu"] < 1
     assert records[-1]["loss"] < records[0]["loss"]
+    # Memory: step 1's own peak, then the steady state's (the optimizer's state held through a step),
+    # which the plan's prediction is held against.
+    assert [r["mem_since_step"] for r in records] == [1, 2, 2, 2]
+    assert records[1]["mem_tensor_gib"] > records[0]["mem_tensor_gib"]
+    said = [line for line in result.stdout.splitlines() if line.startswith("plan: measured peak")]
+    assert len(said) == 1 and said[0].startswith(f"plan: measured peak {records[1]['mem_tensor_gib']:.2f} GiB of "
+                                                 f"tensors on rank 0 since step 2, the steady state"), said
     assert result.stdout.count(" tok/s | ") == 4  # one console line per step, rank 0 only
     assert records[-1]["eta_s"] == 0 and result.stdout.count("s left\n") == 4
     summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
@@ -107,6 +114,10 @@ def test_precision_and_compile_rules_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"metrics.profile_step=0 must be a step of the run, 1..training.steps=1000"):
         job = JobConfig()
         job.training.seq_len, job.metrics.profile_step = 64, 0
+        check_job(job, world=2)
+    with pytest.raises(ConfigError, match=r"metrics.memory_snapshot_step records the CUDA allocator: device=cpu"):
+        job = JobConfig()
+        job.device, job.training.seq_len, job.metrics.memory_snapshot_step = "cpu", 64, 3
         check_job(job, world=2)
     for dtypes, message in [
         ({"param_dtype": "float8"}, r"training.mixed_precision.param_dtype=float8 must be one of"),

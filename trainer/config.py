@@ -238,6 +238,9 @@ class MetricsConfig:
     peak_tflops: Optional[Any] = None
     # A step to record with torch's profiler on every rank (output_dir/profile/); null: none.
     profile_step: Optional[int] = None
+    # A step whose CUDA allocator history to record (from the step before it) into output_dir/memory/,
+    # with the tensors live at its peak by origin; null: none. CUDA only.
+    memory_snapshot_step: Optional[int] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     # Straggler detection (trainer/health.py): every `health_every` steps (null: never) the ranks'

@@ -77,10 +77,14 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
         # schedules run it twice (input gradients, then the deferred weight gradients).
         raise ConfigError(f"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule="
                           f"{schedule}: its split backward recomputes each block twice; use full or none")
-    profile_step = job.metrics.profile_step
-    if profile_step is not None and not 1 <= profile_step <= job.training.steps:
-        raise ConfigError(f"metrics.profile_step={profile_step} must be a step of the run, "
-                          f"1..training.steps={job.training.steps}")
+    for key in ("profile_step", "memory_snapshot_step"):
+        step = getattr(job.metrics, key)
+        if step is not None and not 1 <= step <= job.training.steps:
+            raise ConfigError(f"metrics.{key}={step} must be a step of the run, 1..training.steps={job.training.steps}")
+    on_cuda = job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available())
+    if job.metrics.memory_snapshot_step is not None and not on_cuda:
+        raise ConfigError(f"metrics.memory_snapshot_step records the CUDA allocator: device={job.device} has none "
+                          f"(on the CPU, metrics.jsonl's mem_tensor_gib counts the live tensors)")
     if job.metrics.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("metrics.tensorboard.enabled=true needs the tensorboard package: "
                           "pip install -e \".[tensorboard]\"")

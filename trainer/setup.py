@@ -24,6 +24,7 @@ from trainer.guards import StepGuard
 from trainer.health import RankHealth
 from trainer.loop import Trainer, resume
 from trainer.measured_memory import MemoryFigures
+from trainer.memory_snapshot import MemorySnapshot, known_tensors
 from trainer.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
 from trainer.models import family
 from trainer.models.moe_config import n_experts
@@ -98,17 +99,22 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
                                          watchdog.phase)
         trainer.replicas.set_step(step)
     health = health_check(job, dims, device, trainer.stop.group, log)
-    trainer.parts = StepParts(step_parts(job, dims, device, model, model_parts, watchdog, health, faults, step))
+    trainer.parts = StepParts(step_parts(job, dims, device, model, model_parts, optimizer, watchdog, health, faults,
+                                         step))
     return trainer
 
 
 def step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module, model_parts: list,
-               watchdog: Watchdog, health: RankHealth | None, faults: FaultInjection | None, step: int) -> list:
-    """The features acting around the step, in the order their hooks run: the watchdog first (a
-    fault then hangs inside the phase it names), the straggler check's clocks around the rest (an
-    injected slowdown is timed in its phase), the profiler around everything else."""
-    parts = [watchdog, *([health] if health else []),
-             StepProfiler(job.metrics.profile_step, job.output_dir, dist.get_rank(), device)]
+               optimizer, watchdog: Watchdog, health: RankHealth | None, faults: FaultInjection | None,
+               step: int) -> list:
+    """The features acting around the step, in the order their hooks run: the allocator's recorder
+    first (it sees every part's allocations), the watchdog (a fault then hangs inside the phase it
+    names), the straggler check's clocks around the rest (an injected slowdown is timed in its phase),
+    the profiler around everything else."""
+    m, rank = job.metrics, dist.get_rank()
+    parts = [*([MemorySnapshot(m.memory_snapshot_step, job.output_dir, rank, device, known_tensors(model, optimizer))]
+               if m.memory_snapshot_step is not None and device.type == "cuda" else []),
+             watchdog, *([health] if health else []), StepProfiler(m.profile_step, job.output_dir, rank, device)]
     if faults is not None:
         parts.append(faults)
     if gathers_in_float8(float8_of(job.training)):
