@@ -62,6 +62,7 @@ class Trainer:
 
     def __post_init__(self):
         self.training = self.job.training
+        self.first_step = self.step + 1  # the first step this run trains
         # The ranks holding a loss (those of the last stage), and the microbatches of one replica share.
         self.loss_holders = self.dims.world_size // self.dims.pp
         self.microbatches = self.dims.grad_accum_steps * self.dims.pp_microbatches
@@ -186,10 +187,12 @@ class Trainer:
             scale = supervised_scale(count, dims.view("dp_cp").size())
             record["val_loss"] = job_loss(sum(self.eval_fn(microbatches, scale) for microbatches in batches), dims)
         self.logger.log(record)
-        if self.predicted is not None and record["mem_tensor_gib"] is not None:
-            self.log(f"plan: measured peak {record['mem_tensor_gib']:.2f} GiB of tensors on rank 0 by step {step} "
-                     f"(predicted {self.predicted / 2**30:.2f})")
-            self.predicted = None  # said once
+        measured, since = record["mem_tensor_gib"], record["mem_since_step"]
+        if self.predicted is not None and measured is not None and since > self.first_step:  # once, steady state
+            predicted = self.predicted / 2**30
+            self.log(f"plan: measured peak {measured:.2f} GiB of tensors on rank 0 since step {since}, the steady "
+                     f"state (predicted {predicted:.2f}, {predicted / measured - 1:+.1%})")
+            self.predicted = None
         self.throughput.reset(step)
 
     def roll_back(self) -> bool:
@@ -250,7 +253,7 @@ class Trainer:
             saved = checkpoint_steps(self.checkpoint_dir) if self.checkpointer is not None else None
             for line in summary_lines(first, self.step, self.training.steps, self.throughput.tokens_per_step,
                                       time.perf_counter() - self.throughput.start, self.logger.speeds, peaks,
-                                      skipped, saved):
+                                      skipped, saved, steady=self.device.type == "cuda"):
                 self.log(line)
         self.replicas.close()
         self.logger.close()

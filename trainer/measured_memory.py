@@ -22,7 +22,8 @@ from trainer.parts import StepPart
 
 GIB = 2**30
 # Steps the CPU's count runs for: the second holds all a step ever holds (the optimizer's state
-# exists from the first update on), and the steps after it run at full speed, uncounted.
+# exists from the first update on), and the steps after it run at full speed, uncounted (a
+# validation or checkpoint after them is counted on a GPU only).
 COUNTED_STEPS = 2
 _storage_resize = torch.UntypedStorage.resize_
 
@@ -122,10 +123,14 @@ def peak_tensor_gib(device: torch.device, tracker: TensorMemory | None) -> float
 
 
 class MemoryFigures(StepPart):
-    """The record's memory figures. On the CPU, live tensors are counted from here (the model's
-    `parameters` first, then all the steps make) through the first COUNTED_STEPS steps after
-    `first_step`; blocks run eagerly while counted, so a compiled run forgets dynamo's skipped
-    frames then (`on_compiled_again`: the watchdog lets the next step compile)."""
+    """The record's memory figures: the first step's peak on its record, then the peak since it (the
+    steady state: the optimizer's state exists from the first update on, and a step then holds it
+    beside the activations and gradients), validations and checkpoints included on a GPU.
+
+    On the CPU, live tensors are counted from here (the model's `parameters` first, then all the steps
+    make) through the first COUNTED_STEPS steps after `first_step`; blocks run eagerly while counted,
+    so a compiled run forgets dynamo's skipped frames then (`on_compiled_again`: the watchdog lets
+    the next step compile)."""
 
     def __init__(self, device: torch.device, parameters, first_step: int, compiled: bool, on_compiled_again):
         self.device = device
@@ -133,10 +138,21 @@ class MemoryFigures(StepPart):
         if self.tracker is not None:
             self.tracker.add(parameters)
             self.tracker.start()
+        self.first_trained = first_step + 1
+        self.since = self.first_trained  # the first step the peaks cover
+        self.step, self.first = first_step, None
         self.counted_until = first_step + COUNTED_STEPS
         self.compiled, self.on_compiled_again = compiled, on_compiled_again
 
     def after_step(self, step: int) -> None:
+        self.step = step
+        if step == self.first_trained:  # the peaks from here on are the steady state's
+            self.first = self.figures()  # (its own record's)
+            self.since = step + 1
+            if self.tracker is not None:
+                self.tracker.reset_peak()
+            elif self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
         if self.tracker is None or step != self.counted_until:
             return
         self.tracker.stop()
@@ -146,8 +162,12 @@ class MemoryFigures(StepPart):
             torch.compiler.reset()
             self.on_compiled_again()
 
+    def figures(self) -> dict:
+        return {"mem_gib": peak_memory_gib(self.device), "mem_tensor_gib": peak_tensor_gib(self.device, self.tracker),
+                "mem_since_step": self.since}
+
     def record(self) -> dict:
-        return {"mem_gib": peak_memory_gib(self.device), "mem_tensor_gib": peak_tensor_gib(self.device, self.tracker)}
+        return self.first if self.step == self.first_trained else self.figures()
 
     def close(self) -> None:
         if self.tracker is not None:

@@ -25,9 +25,10 @@ def duration(seconds: float) -> str:
 
 def summary_lines(first: int, last: int, total_steps: int, tokens_per_step: int, wall_s: float,
                   speeds: list[tuple[float, float | None]], peaks: list[float], skipped: int,
-                  checkpoints: list[tuple[int, Path]] | None) -> list[str]:
+                  checkpoints: list[tuple[int, Path]] | None, steady: bool = False) -> list[str]:
     """`first`..`last`: the steps this run trained; `speeds`: its logged (tokens/s, MFU); `peaks`: each
-    rank's peak memory (GiB); `checkpoints`: those in the run's folder (None: checkpointing off)."""
+    rank's peak memory (GiB), over the steps after the first when `steady` (a GPU's allocator peak, not
+    the CPU's peak RSS); `checkpoints`: those in the run's folder (None: checkpointing off)."""
     trained = last - first + 1
     median = statistics.median(s for s, _ in speeds) if speeds else trained * tokens_per_step / wall_s
     mfus = [m for _, m in speeds if m is not None]
@@ -37,7 +38,8 @@ def summary_lines(first: int, last: int, total_steps: int, tokens_per_step: int,
               f"{min(peaks):.2f}-{max(peaks):.2f} GiB a rank (rank {top} the most)")
     lines = [f"summary: trained steps {first}-{last} ({trained:,} steps, {trained * tokens_per_step:,} tokens) in "
              f"{duration(wall_s)}: median {median:,.0f} tok/s, MFU {mfu}",
-             f"summary: peak memory {memory}; {skipped} optimizer step(s) skipped"]
+             f"summary: peak memory {memory}{f' from step {first + 1} on' if steady and trained > 1 else ''}; "
+             f"{skipped} optimizer step(s) skipped"]
     if checkpoints is None:
         lines.append("summary: no checkpoint written (checkpoint.enabled=false): these weights are not kept")
     elif not checkpoints:
