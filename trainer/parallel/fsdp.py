@@ -4,6 +4,8 @@ the embedding and head when tied)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,7 +41,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module |
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def shard(module: nn.Module | list[nn.Module], reshard: bool, on: DeviceMesh = mesh) -> None:
-        fully_shard(module, mesh=on, mp_policy=mp_policy, reshard_after_forward=reshard and not pipelined)
+        sharded = fully_shard(module, mesh=on, mp_policy=mp_policy, reshard_after_forward=reshard and not pipelined)
+        # (a list of modules is one unit, whose state its first module holds)
+        (sharded if isinstance(sharded, FSDPModule) else sharded[0]).set_custom_reduce_scatter(
+            compute_pool_reduce_scatter(on.size()))
 
     embedding, head = edge_units(embedding, head)
     if embedding is not None:
@@ -65,3 +70,47 @@ def reshard(parts: list[nn.Module]) -> None:
         for module in part.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+
+def _default_reduce_scatter() -> type:
+    # FSDP2's reduce-scatter, whose allocation compute_pool_reduce_scatter changes: the class is not
+    # exported (torch 2.13), only the interface that set_custom_reduce_scatter takes.
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    return DefaultReduceScatter
+
+
+def compute_pool_reduce_scatter(ranks: int):
+    """FSDP's reduce-scatter, its buffers taken from the compute stream's memory.
+
+    FSDP allocates each unit's reduced gradient on its reduce-scatter stream, and the CUDA caching
+    allocator keeps a stream's freed blocks for that stream alone: the gradients' memory, freed at
+    each step's zero_grad, could never hold the next forward's activations, and a run held both
+    (10.4 GiB more reserved than allocated for a 2.8B-parameter model on one H200). Taken from the
+    compute stream's pool (and marked used by the reduce-scatter stream, so a block is not reused
+    before that stream is done with it), one pool serves both. On one rank the reduce-scatter's
+    output is its input: FSDP's copy of one into the other then copies nothing, and a unit's
+    gradient is held once instead of twice at the end of its backward."""
+
+    class ComputePoolReduceScatter(_default_reduce_scatter()):
+        def __init__(self):
+            super().__init__()
+            self.input: torch.Tensor | None = None  # one rank: the input, returned as the output
+
+        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            if device.type != "cuda":
+                return torch.empty(*size, dtype=dtype, device=device)
+            stream, compute = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+            if stream == compute:  # the input, filled on the compute stream
+                self.input = buffer = torch.empty(*size, dtype=dtype, device=device)
+                if ranks > 1:
+                    self.input = None
+                return buffer
+            buffer, self.input = self.input, None
+            if buffer is None or buffer.numel() != math.prod(size) or buffer.dtype != dtype:
+                with torch.cuda.stream(compute):
+                    buffer = torch.empty(*size, dtype=dtype, device=device)
+            buffer.record_stream(stream)
+            return buffer
+
+    return ComputePoolReduceScatter()
