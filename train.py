@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from trainer.config_files import CONFIG_DIR, register_configs
 from trainer.errors import ConfigError
 from trainer.overrides import check_overrides, compose_job, renamed
+from trainer.stop import default_signals
 
 register_configs()
 
@@ -81,6 +82,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    default_signals()
     sys.argv[1:], notices = renamed(sys.argv[1:])
     if notices and os.environ.get("LOCAL_RANK", "0") == "0":
         print("\n".join(notices), flush=True)

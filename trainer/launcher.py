@@ -14,8 +14,10 @@ report of the failed ranks; found here first, it is one line and exit status 2.
 Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
 alone. The first Ctrl-C (or SIGTERM, SIGUSR1) goes to the ranks, which finish their step, save it and
 exit 0, and so does torchrun; torchrun itself, signalled, would stop its ranks within its shutdown
-timeout and exit 1 with a traceback. A second Ctrl-C stops everything at once: torchrun first (so it
-restarts nothing), then the ranks; exit status 130.
+timeout and exit 1 with a traceback, so it starts with those three signals ignored (and handling only
+SIGHUP and SIGQUIT: its --signals-to-handle): a signal sent to every process of the job reaches
+the ranks directly and from here, and ends the job as one Ctrl-C does. A second Ctrl-C stops everything
+at once: torchrun first (so it restarts nothing), then the ranks; exit status 130.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import time
 from pathlib import Path
 
 from trainer.errors import ConfigError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # (trainer.stop's)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
 def run_torchrun(argv: list[str]) -> int:
     """torchrun with `argv` in a session of its own, the signals this process gets passed to its ranks;
     torchrun's exit status, or 130 after a second Ctrl-C."""
+    # torchrun's --signals-to-handle (PET_ is its flags' environment prefix; older torch reads the second)
+    env = {**os.environ, "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], start_new_session=True,
-                             preexec_fn=_terminated_with_parent)
+                             preexec_fn=_agent_signals, env=env)
     interrupts = 0
 
     def forward(signum, frame) -> None:
@@ -57,14 +63,14 @@ def run_torchrun(argv: list[str]) -> int:
         interrupts += signum == signal.SIGINT
         ranks = children(agent.pid)
         if interrupts >= 2 or not ranks:  # at once (or no rank yet): torchrun first, then its ranks
-            _signal(agent.pid, signal.SIGKILL if ranks else signum)
+            _signal(agent.pid, signal.SIGKILL if ranks else signal.SIGHUP)
         for pid in ranks:
             _signal(pid, signum)
         if interrupts >= 2:
             _wait_gone(ranks, timeout=10.0)
             os._exit(130)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     return agent.wait()
 
@@ -82,13 +88,17 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def _terminated_with_parent() -> None:
-    """In the child: SIGTERM when this process dies, however it dies (Linux's prctl; elsewhere nothing),
-    so torchrun stops its ranks rather than outliving its launcher."""
+def _agent_signals() -> None:
+    """In torchrun's process, before it starts: the stop signals ignored (this process passes them to
+    the ranks, which take them again: trainer.stop.default_signals), and SIGHUP when this process
+    dies, however it dies (Linux's prctl; elsewhere nothing), so torchrun stops its ranks rather than
+    outliving its launcher."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     if sys.platform == "linux":
         import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
 
 
 def _signal(pid: int, signum: int) -> None:
