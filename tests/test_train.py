@@ -61,6 +61,13 @@ def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
                           str(REPO / "train.py"), *bad, f"output_dir={tmp_path}"], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stderr) == (2, line + "\n")
+    # So it does for parallel=auto: the layout every rank would choose, found impossible first.
+    run = subprocess.run([sys.executable, "-m", "trainer.launcher", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "train.py"), *bad, "parallel=auto", f"output_dir={tmp_path}"], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.startswith("config error: parallel=auto: no layout of llama_debug on "
+                                                         "2 x cpu with parallel.tp=3 kept fits"), run.stderr
+    assert len(run.stderr.splitlines()) == 1 and not (tmp_path / "metrics.jsonl").exists()
 
 
 RANK_SIDE_ERRORS = {  # found by each rank under plain torchrun, whichever gets there first

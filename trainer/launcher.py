@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     args = get_args_parser().parse_args(argv)
     if Path(args.training_script).name == "train.py" and not (args.module or args.no_python):
         try:
-            check_job_args(args.training_script_args, world_of(args.nproc_per_node, args.nnodes))
+            local = int(args.nproc_per_node) if args.nproc_per_node.isdigit() else 1
+            check_job_args(args.training_script_args, world_of(args.nproc_per_node, args.nnodes), local)
         except ConfigError as e:
             sys.stderr.write(f"config error: {e}\n")
             sys.exit(2)
@@ -114,9 +115,10 @@ def _wait_gone(pids: list[int], timeout: float) -> None:
         time.sleep(0.1)
 
 
-def check_job_args(overrides: list[str], world: int | None) -> None:
+def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1) -> None:
     """The checks every rank would make first, on train.py's `overrides`; those that need the world
-    size only when it is known before launch (not for an elastic range)."""
+    size only when it is known before launch (not for an elastic range). Under parallel=auto, the
+    layout every rank would choose (`local_ranks` of them on each node), and its checks."""
     if any(arg.startswith("-") for arg in overrides):
         return  # Hydra's own flags (--cfg job, --help): train.py prints, it does not run
     from trainer.models import import_modules
@@ -125,8 +127,15 @@ def check_job_args(overrides: list[str], world: int | None) -> None:
 
     job = compose_job(overrides)
     import_modules(job.imports)
-    if world is not None and not job.parallel.auto:  # parallel=auto: each rank checks the layout it chose
-        check_config(job, world)
+    if world is None:
+        return
+    if job.parallel.auto:
+        from trainer.distributed import resolve_device
+        from trainer.plan.auto import auto_device, choose_layout, pinned_keys
+
+        device = auto_device(resolve_device(job.device), local_ranks, job.plan.device)
+        job = choose_layout(job, world, device, pinned_keys(overrides))[0]
+    check_config(job, world)
 
 
 def world_of(nproc_per_node: str, nnodes: str) -> int | None:
