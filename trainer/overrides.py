@@ -139,9 +139,28 @@ def _check_key(key: str, keys: set[str]) -> None:
     # shared schema lacks is its family's to judge, once the config is composed (job_config).
     if key.split("[")[0] in keys or key.startswith("model."):
         return
-    near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
-    hint = f"; did you mean {near[0]}?" if near else "; see `python train.py --cfg job` for every key"
+    near = nearest_key(key, keys)
+    hint = f"; did you mean {near}?" if near else "; see `python train.py --cfg job` for every key"
     raise ConfigError(f"{key} is not a config key{hint}")
+
+
+def nearest_key(key: str, keys: set[str]) -> str | None:
+    """The known key most like `key`, as a whole or its section and its name each alike, one of the
+    same name first: `val.path` is validation.path (the whole string alone made it data.path),
+    `optim.lr` training.lr. None when none is near."""
+    section, _, name = key.rpartition(".")
+
+    def likeness(known: str) -> float:  # (0..2)
+        known_section, _, known_name = known.rpartition(".")
+        parts = (difflib.SequenceMatcher(None, section, known_section).ratio()
+                 + difflib.SequenceMatcher(None, name, known_name).ratio())
+        return max(parts, 2 * difflib.SequenceMatcher(None, key, known).ratio())
+
+    candidates = sorted(k for k in keys if not key.startswith(k + "."))  # (not its own section)
+    # A known name under another section (optim.lr: training.lr) before any other.
+    same_name = [k for k in candidates if k.rpartition(".")[2] == name]
+    best = max(same_name or candidates, key=likeness)
+    return best if likeness(best) >= 1.2 else None
 
 
 def schema_keys() -> set[str]:
