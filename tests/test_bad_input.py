@@ -89,10 +89,15 @@ def _text_file(tmp_path: Path, name: str = "a.txt") -> str:
     return str(tmp_path / name)
 
 
-def _chat(tmp_path: Path, row: dict | None = None, template: str | None = "{{ messages[0]['content'] }}") -> list[str]:
-    """Overrides for chat data of one row (a good one by default) and a template file (None: none)."""
+EVERY_TURN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def _chat(tmp_path: Path, row: dict | None = None, template: str | None = "{{ messages[0]['content'] }}",
+          empty: bool = False) -> list[str]:
+    """Overrides for chat data of one row (a good one by default; none if `empty`) and a template file
+    (None: none)."""
     row = row or {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    (tmp_path / "chat.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "chat.jsonl").write_text("" if empty else json.dumps(row) + "\n")
     overrides = ["data.source=json", f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat"]
     if template is not None:
         (tmp_path / "template.jinja").write_text(template)
@@ -158,6 +163,22 @@ MISTAKES = {
                                                                "{% endfor %}"),
                                                  r"data.chat_template: .*row 1: the template yields no text for "
                                                  r"assistant turn 1"),
+    "a role in another case": (lambda p: _chat(p, {"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "Assistant", "content": "hello"}]}),
+                               r"chat.jsonl row 1: message 1 has role 'Assistant': roles are matched as written, and "
+                               r"chat templates name them in lower case \('assistant'\)"),
+    "a message without content": (lambda p: _chat(p, {"messages": [{"role": "user", "content": None},
+                                                                   {"role": "assistant", "content": "hello"}]}),
+                                  r"chat.jsonl row 1: message 0 \(user\) has no content \(null or missing\)"),
+    "an empty chat file": (lambda p: _chat(p, empty=True), r"data.path=.*chat.jsonl: no conversation: the files hold "
+                                                           r"no rows"),
+    "every conversation too long": (lambda p: [*_chat(p, {"messages": [{"role": "user", "content": "hi"},
+                                                                      {"role": "assistant", "content": "x" * 64}]},
+                                                      template=EVERY_TURN), "data.overlong=drop"],
+                                    r"every conversation with an assistant turn \(1\) is longer than "
+                                    r"training.seq_len=32 \+ 1 tokens and data.overlong=drop dropped it"),
+    "no assistant turn": (lambda p: _chat(p, {"messages": [{"role": "user", "content": "hi"}]}, template=EVERY_TURN),
+                          r"none of its 1 conversations has a token to learn: no message has the role 'assistant'"),
     "prompts that are not masked": (lambda p: [*_chat(p, {"prompt": "", "completion": "4"}), "data.format=completion"],
                                     r"data.path=.*chat.jsonl: every token is a target: the prompts are not masked out"),
     "chat from a token file": (lambda p: ["data.source=binary", f"data.path={p}/tokens.bin", "data.format=chat"],

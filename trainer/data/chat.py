@@ -196,12 +196,15 @@ def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
                 run = []
         return "".join(pieces)
 
+    rows = 0
     for row, where in conversation_rows(data, problems):
+        rows += 1
         if data.format == "chat":
             messages = row.get(data.messages_field)
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
                 raise ConfigError(f"data.messages_field={data.messages_field}: {where} has no list of "
                                   f"{{role, content}} messages under it")
+            check_messages(messages, where)
             text, spans = assistant_spans(messages, template, special, where)
             ids, supervised = marked_tokens(text, spans, tokenizer)
         else:
@@ -214,10 +217,38 @@ def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
             ids, supervised = head + tail, [False] * len(head) + [True] * len(tail)
         reading.add(ids, supervised, seq_len, data.overlong, show)
     if not reading.ids:
-        raise ConfigError(f"data.path={data.path}: no conversation has a token to learn (an assistant turn)")
+        raise ConfigError(f"data.path={data.path}: {nothing_to_learn(rows, reading.counts, seq_len)}")
     if all(s.all() for s in reading.supervised):
         raise ConfigError(f"data.path={data.path}: every token is a target: the prompts are not masked out")
     return reading.done()
+
+
+ROLES = ("system", "user", "assistant", "tool")  # as chat templates name them
+
+
+def check_messages(messages: list[dict], where: str) -> None:
+    """A role in another case than templates match (`Assistant`: its turn would not be learned), and a
+    message without text (content null would render as the word None), refused with the row named."""
+    for i, message in enumerate(messages):
+        role, content = message["role"], message.get("content")
+        if isinstance(role, str) and role != role.lower() and role.lower() in ROLES:
+            raise ConfigError(f"{where}: message {i} has role {role!r}: roles are matched as written, and chat "
+                              f"templates name them in lower case ({role.lower()!r})")
+        if content is None and not message.get("tool_calls"):
+            raise ConfigError(f"{where}: message {i} ({role}) has no content (null or missing): give it a text "
+                              f"(\"\" for none)")
+
+
+def nothing_to_learn(rows: int, counts: dict, seq_len: int) -> str:
+    """Why no conversation was kept: no rows, every one too long, or none with an assistant turn."""
+    if rows == 0:
+        return "no conversation: the files hold no rows"
+    if counts["dropped"]:
+        return (f"every conversation with an assistant turn ({counts['dropped']}) is longer than training.seq_len="
+                f"{seq_len} + 1 tokens and data.overlong=drop dropped it: raise training.seq_len, or set "
+                f"data.overlong=truncate")
+    return (f"none of its {rows} conversations has a token to learn: no message has the role 'assistant' "
+            f"(or the template renders none)")
 
 
 def describe(conversations: Conversations, data) -> str:
