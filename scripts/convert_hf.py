@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from trainer.checkpoint.folders import MODEL_CONFIG, newest_step  # noqa: E402
+from trainer.checkpoint.folders import MANIFEST, MODEL_CONFIG, newest_step  # noqa: E402
 from trainer.checkpoint.hf import read_hf  # noqa: E402
 from trainer.checkpoint.hf_export import export_hf  # noqa: E402
 from trainer.checkpoint.state import check_same_shape, save_weights, saved_config  # noqa: E402
@@ -63,6 +63,12 @@ def from_hf(hf_dir: Path, out: Path, model: str | None, write_config: str | None
 def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str,
           tokenizer: str | None = None) -> None:
     checkpoint = newest_step(checkpoint, "to-hf", print)
+    if not checkpoint.is_dir():
+        raise ConfigError(f"{checkpoint} is not a folder")
+    if not (checkpoint / MANIFEST).is_file():
+        raise ConfigError(f"{checkpoint} is not a checkpoint of this trainer: a checkpoint is a folder holding "
+                          f"{MANIFEST} (a run's checkpoints/step_N, a seed, a from-hf output); give one, or a run's "
+                          f"output_dir for its newest")
     cfg = model_config(model) if model is not None else saved_config(checkpoint)
     if cfg is None:
         raise ConfigError(f"{checkpoint} has no {MODEL_CONFIG}; name the model with --model")

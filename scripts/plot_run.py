@@ -1,6 +1,6 @@
 """A run's curves as one PNG, or several runs' overlaid: loss (validation loss dashed), gradient norm,
 learning rate, tokens/s and rank 0's peak memory against step, each run named in the legend by its
-folder and layout.
+folder, its layout and the config values in which the runs differ.
 
     python scripts/plot_run.py outputs/llama_fsdp                  # writes outputs/llama_fsdp/curves.png
     python scripts/plot_run.py outputs/a outputs/b --out both.png  # two runs on the same axes
@@ -24,6 +24,30 @@ PANELS = [("loss", ("loss", "val_loss")), ("gradient norm", ("grad_norm",)), ("l
           ("slowest rank's step / the median rank's", ("slowest_rank_ratio",))]
 
 
+# Keys every run has its own value of, saying nothing of what was trained.
+NOT_COMPARED = ("output_dir", "run_name", "parallel", "wandb", "metrics", "checkpoint.resume")
+
+
+def flat(config: dict, prefix: str = "") -> dict:
+    """A config's values by dotted key."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def names(runs: list[Run]) -> list[str]:
+    """Each run's legend name: its folder and layout, and the config values in which the runs differ
+    (optim.name=muon beside adamw), so that no two runs read alike."""
+    configs = [{k: v for k, v in flat(run.config).items() if not k.startswith(NOT_COMPARED)} for run in runs]
+    differing = sorted({k for c in configs for k in c if any(c.get(k) != other.get(k) for other in configs)})
+    return [f"{run.path.name} ({run.layout})" + "".join(f" {k}={c.get(k)}" for k in differing)
+            for run, c in zip(runs, configs)]
+
+
 def plot(runs: list[Run]):
     """The figure: one panel per PANELS entry, each run a colour."""
     import matplotlib
@@ -33,11 +57,11 @@ def plot(runs: list[Run]):
 
     figure, grid = plt.subplots(2, 3, figsize=(15, 8), layout="constrained")
     for axis, (title, keys) in zip(grid.flat, PANELS):
-        for colour, run in enumerate(runs):
+        for colour, (run, name) in enumerate(zip(runs, names(runs))):
             for key, style in zip(keys, ("-", "--")):
                 points = [(s, row[key]) for s, row in sorted(run.steps.items()) if row.get(key) is not None]
                 if points:
-                    label = f"{run.path.name} ({run.layout})" + (f" {key}" if key != keys[0] else "")
+                    label = name + (f" {key}" if key != keys[0] else "")
                     marker = "." if style == "--" else None  # validation: a few points
                     axis.plot(*zip(*points), style, color=f"C{colour}", label=label, marker=marker)
         axis.set_title(title)
@@ -64,6 +88,7 @@ def main(argv: list[str]) -> int:
         print('plot_run: needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else runs[0].path / "curves.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs).savefig(out, dpi=100)
     print(f"plot_run: {len(runs)} run(s) -> {out}")
     return 0

@@ -66,6 +66,13 @@ def test_the_converter_says_one_config_error_line(tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and err.count("\n") == 1 and "missing is not a Hugging Face model" in err
+    (tmp_path / "notes").mkdir()  # a folder, not a checkpoint: said so (it asked for --model)
+    with pytest.raises(SystemExit) as stop:
+        convert_hf.main(["to-hf", str(tmp_path / "notes"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"config error: {tmp_path / 'notes'} is not a checkpoint of this trainer: a checkpoint "
+                          f"is a folder holding manifest.json"), err
 
 
 def run_train(argv: list[str]) -> int:
@@ -129,6 +136,12 @@ MISTAKES = {
                                  r"training.selective_policy=some must be one of \['half_mm', 'ops'\]"),
     "zero loss chunk": (lambda p: ["training.loss_chunk_tokens=0"],
                         r"training.loss_chunk_tokens=0 must be >= 1, or null"),
+    "a group given a value": (lambda p: ["metrics.tensorboard=true"],
+                              r"metrics.tensorboard is a group of keys \(enabled\), not a value: did you mean "
+                              r"metrics.tensorboard.enabled=true\?"),
+    "a layout of ranks without torchrun": (lambda p: ["+recipe=llama_tp2_pp4"],
+                                           r"this layout \(pp=4 x tp=2\) needs 8 ranks at least and `python train.py` "
+                                           r"is one process: launch it with torchrun --nproc_per_node=8 train.py"),
     "misspelt key": (lambda p: ["training.stepz=5"],
                      r"training.stepz is not a config key; did you mean training.steps"),
     "misspelt key added": (lambda p: ["+training.stepz=5"],

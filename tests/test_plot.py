@@ -17,13 +17,14 @@ NEEDS_MATPLOTLIB = needs("matplotlib", "plot")
 BUILDS_FONT_CACHE = pytest.mark.tool
 
 
-def write_run(path, scale=1.0, parallel=None, world=1):
-    path.mkdir()
+def write_run(path, scale=1.0, parallel=None, world=1, **config):
+    path.mkdir(parents=True)
     rows = [{"step": s, "loss": scale * 8 / s, "grad_norm": 3.0, "lr": 1e-3 * min(1, s / 3), "tokens_per_s": 900.0 + s,
              "mem_gib": 0.5, "world_size": world, **({"val_loss": scale * 8.5 / s} if s % 5 == 0 else {})}
             for s in range(1, 21)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (path / "config.yaml").write_text(yaml.safe_dump({"device": "cpu", "parallel": parallel or {}}))
+    (path / "config.yaml").write_text(yaml.safe_dump({"device": "cpu", "parallel": parallel or {},
+                                                      "output_dir": str(path), **config}))
     return path
 
 
@@ -48,11 +49,17 @@ def test_one_run_is_a_png_of_its_panels(tmp_path, capsys):
 def test_several_runs_share_the_axes_named_by_their_layouts(tmp_path):
     a = write_run(tmp_path / "fsdp", parallel={"dp_shard": -1, "tp": 1}, world=4)
     b = write_run(tmp_path / "tp2", 1.01, parallel={"dp_shard": -1, "tp": 2}, world=4)
-    out = tmp_path / "both.png"
+    out = tmp_path / "plots" / "both.png"  # (a folder not there yet)
     assert plot_run.main([str(a), str(b), "--out", str(out)]) == 0 and out.stat().st_size > 10_000
     figure = plot_run.plot([read_run(a), read_run(b)])
     labels = [line.get_label() for line in figure.axes[1].lines]
     assert labels == ["fsdp (dp_shard=4)", "tp2 (dp_shard=2 tp=2)"]
+    # Runs of one layout apart in their config are named by what differs (their folders aside).
+    adamw = write_run(tmp_path / "x" / "run", optim={"name": "adamw", "lr_ratio": 0.1})
+    muon = write_run(tmp_path / "y" / "run", optim={"name": "muon", "lr_ratio": 0.1})
+    figure = plot_run.plot([read_run(adamw), read_run(muon)])
+    assert [line.get_label() for line in figure.axes[1].lines] == ["run (one process) optim.name=adamw",
+                                                                   "run (one process) optim.name=muon"]
 
 
 def test_a_folder_without_metrics_is_one_line_and_exit_2(tmp_path, capsys):

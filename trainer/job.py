@@ -4,6 +4,7 @@ then trainer/setup.py builds the Trainer (trainer/loop.py), which runs the step 
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import sys
@@ -59,7 +60,7 @@ def run(cfg: DictConfig) -> None:
     device = resolve_device(job.device)
     if job.parallel.auto:
         job = choose_auto_layout(job, config, device)
-    dims = check_config(job, world_size())
+    dims = check_config_launched(job)
     checkpoint = job.checkpoint
     check_lighthouse(job)
     schedule_change = check_rerun(config, checkpoint, job.output_dir)
@@ -99,6 +100,22 @@ def run(cfg: DictConfig) -> None:
         if lock is not None:
             lock.release()
         shutdown()
+
+
+def check_config_launched(job: JobConfig):
+    """check_config on this launch's world; run without a launcher (`python train.py`, one process), a
+    layout of several ranks is said as such, with the torchrun command that starts them."""
+    try:
+        return check_config(job, world_size())
+    except ConfigError as e:
+        p = job.parallel
+        fixed = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(p, k) > 1}
+        if "WORLD_SIZE" in os.environ or not fixed or "world size" not in str(e):
+            raise
+        ranks = math.prod(fixed.values())
+        raise ConfigError(f"this layout ({' x '.join(f'{k}={v}' for k, v in fixed.items())}) needs {ranks} ranks at "
+                          f"least and `python train.py` is one process: launch it with torchrun "
+                          f"--nproc_per_node={ranks} train.py ... (or trainer-run)") from None
 
 
 def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> JobConfig:

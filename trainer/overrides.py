@@ -104,11 +104,24 @@ def _composition_message(e: Exception) -> str:
     while cause is not None and not isinstance(cause, ValidationError):
         cause = cause.__cause__ or cause.__context__
     if cause is not None and cause.full_key:
+        group = _group_keys(JobConfig, cause.full_key)
+        if group:  # a group of keys given one value (metrics.tensorboard=true)
+            said = f"{cause.full_key} is a group of keys ({', '.join(group)}), not a value"
+            if "enabled" in group and isinstance(cause.value, bool):
+                return f"{said}: did you mean {cause.full_key}.enabled={str(cause.value).lower()}?"
+            return f"{said}: set one of them ({cause.full_key}.{group[0]}=...)"
         return f"{cause.full_key}={cause.value} must be {wanted(JobConfig, cause.full_key)}"
     return " ".join(str(e).split("\n")[:2]).strip()
 
 
 WANTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _group_keys(cls, key: str) -> list[str]:
+    """The keys of the section `key` (dotted) of the dataclass `cls`; [] when it is a single key."""
+    for name in key.split("."):
+        cls = _dataclass_of(typing.get_type_hints(cls).get(name.split("[")[0])) if cls is not None else None
+    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
 
 
 def wanted(cls, key: str) -> str:
