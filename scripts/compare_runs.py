@@ -29,6 +29,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rtol", type=float, help="the loss's relative tolerance (default: by precision)")
     args = parser.parse_args(argv)
     try:
+        if Path(args.a).resolve() == Path(args.b).resolve():
+            raise ValueError(f"{args.a} given twice: a run compared with itself is always the same curve")
         a, b = read_run(args.a), read_run(args.b)
         result = compare(a, b, args.steps, args.rtol)
     except ValueError as e:

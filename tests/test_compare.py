@@ -64,3 +64,6 @@ def test_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     code, out, err = run(capsys, a, tmp_path / "empty")
     assert code == 2 and err == f"compare_runs: {tmp_path / 'empty'} has no metrics.jsonl: not a run's output_dir\n"
+    # The same folder twice is said, not judged "same curve".
+    code, out, err = run(capsys, a, tmp_path / "a" / ".." / "a")
+    assert code == 2 and "given twice: a run compared with itself is always the same curve" in err and not out

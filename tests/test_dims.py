@@ -189,3 +189,11 @@ def _check_meshes(rank, world_size):
 @pytest.mark.multiprocess
 def test_mesh_dims_and_views_on_eight_ranks():
     spawn(_check_meshes, 8, timeout=240)
+
+
+def test_the_mesh_line_names_the_expert_degree():
+    from trainer.describe import describe_layout
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, ep=2, world_size=4, moe=True)
+    assert describe_layout(dims) == "mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1 (ep=2 over dp_shard x cp)"
+    assert describe_layout(dataclasses.replace(dims, ep=1)).endswith("tp=1")

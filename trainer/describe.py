@@ -8,7 +8,8 @@ from trainer.parallel.dims import ParallelDims
 def describe_layout(dims: ParallelDims) -> str:
     """The mesh's degrees, in order: `mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1`."""
     names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    return "mesh " + ", ".join(f"{name}={getattr(dims, name)}" for name in names)
+    experts = f" (ep={dims.ep} over dp_shard x cp)" if dims.ep_enabled else ""
+    return "mesh " + ", ".join(f"{name}={getattr(dims, name)}" for name in names) + experts
 
 
 def describe_share(dims: ParallelDims, total: int, held: int, held_mib: float) -> str:
