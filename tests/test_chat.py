@@ -5,6 +5,7 @@ not learned are left out of the loss."""
 import json
 import random
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -96,8 +97,12 @@ def test_packed_windows_restart_positions_and_leave_prompts_out_of_the_labels(tm
     path, template = write_chat(tmp_path, digits_conversations(40))
     data = DataConfig(source="json", format="chat", path=path, chat_template=template, tokenizer="bytes")
     conversations = read_conversations(data, ByteTokenizer(), seq_len=256)
+    for array in (conversations.ids, conversations.supervised, conversations.offsets):
+        array.setflags(write=False)  # as the cache maps them: read without a warning
     windows = ChatWindows(conversations, 256, pack=True, split="train", pad_id=0, vocab_size=256, eos_id=0)
-    inputs, labels, positions = conversation_batch(torch.stack(list(windows)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inputs, labels, positions = conversation_batch(torch.stack(list(windows)))
     # Whole conversations, several a window: positions restart at each one's first token.
     starts = (positions == 0).sum().item()
     assert starts == len(conversations) - 1 and len(windows) < 0.6 * starts

@@ -5,6 +5,7 @@ brings, Slurm and the set-up lines are left to the tests of what they run."""
 
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -73,3 +74,12 @@ def test_a_readme_plan_command_runs(argv, capsys):
 
 def test_the_readme_shows_the_commands_these_tests_run():
     assert len(launches()) >= 5 and len(PLANS) == 3
+
+
+@pytest.mark.tool
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")
+def test_what_the_readme_s_scripts_write_leaves_git_status_clean():
+    """scripts/chat_example.py data/chat and plan.py --calibrate --name NAME write into the checkout."""
+    written = ["data/chat/chat.jsonl", "devices/my-box.json", "devices/my-box.json.before-2026-11-28"]
+    result = subprocess.run(["git", "check-ignore", *written], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert result.stdout.split() == written, result.stdout + result.stderr

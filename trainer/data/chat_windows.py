@@ -89,10 +89,11 @@ class ChatWindows(Dataset):
             raise IndexError(index)
         offsets = self.conversations.offsets[self.firsts[index]:self.firsts[index + 1] + 1]
         start, end = int(offsets[0]), int(offsets[-1])
-        window = torch.zeros(2, self.seq_len + 1, dtype=torch.long)
+        # Filled through NumPy: the conversations are a read-only map of the cache, which torch.from_numpy
+        # warns of (once a process) though nothing writes to it.
+        window = np.zeros((2, self.seq_len + 1), dtype=np.int64)
         window[0] = self.pad_id
-        window[0, :end - start] = torch.from_numpy(np.asarray(self.conversations.ids[start:end], dtype=np.int64))
-        window[1, :end - start] = torch.from_numpy(np.asarray(self.conversations.supervised[start:end],
-                                                              dtype=np.int64)) * SUPERVISED
-        window[1, torch.from_numpy(np.asarray(offsets[:-1] - start, dtype=np.int64))] |= STARTS
-        return window
+        window[0, :end - start] = self.conversations.ids[start:end]
+        window[1, :end - start] = self.conversations.supervised[start:end] * SUPERVISED
+        window[1, offsets[:-1] - start] |= STARTS
+        return torch.from_numpy(window)
