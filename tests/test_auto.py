@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,7 @@ from helpers import launch, train_metrics
 from test_plan import job_of
 
 from trainer.errors import ConfigError
-from trainer.plan.auto import CPU_FIGURES, auto_device, choose_layout, core_share, pinned_keys
+from trainer.plan.auto import CPU_FIGURES, auto_device, calibration_note, choose_layout, core_share, pinned_keys
 from trainer.plan.calibrate import calibrate, ranking, steady_tokens_per_s
 from trainer.plan.devices import CPU_EFFICIENCY, Efficiency, measure_cpu
 from trainer.plan.profiles import get_device, load_profile, save_profile
@@ -30,6 +31,13 @@ def test_the_choice_is_the_search_s_first_and_keeps_the_pins():
     chosen_job, chosen, said = choose_layout(job, 2, device, {})
     _, best = search(job, 2, device)[0]
     assert chosen == best and said.startswith("parallel=auto: ") and "runner-up" in said
+    # Each runner-up says the step-time term it loses most on, and the search ties go to fewer microbatches.
+    assert re.search(r"runner-up: .*tokens/s; (compute|FSDP|tensor parallel|context parallel|pipeline sends|"
+                     r"pipeline bubble|expert all-to-all|optimizer) [+-][\d.]+ s a step\)", said), said
+    ranked = search(job, 2, device)
+    for (a, oa), (b, ob) in zip(ranked, ranked[1:]):
+        if a.tokens_per_s == b.tokens_per_s:
+            assert (oa.get("parallel.pp_microbatches") or 0) <= (ob.get("parallel.pp_microbatches") or 0)
     assert chosen_job.parallel.tp == best["parallel.tp"] and chosen_job.parallel.pp == best["parallel.pp"]
     pinned = {"parallel.tp": "2", "training.activation_checkpoint": "full"}
     _, kept, _ = choose_layout(job, 2, device, pinned)
@@ -43,6 +51,14 @@ def test_the_choice_is_the_search_s_first_and_keeps_the_pins():
         choose_layout(job, 2, device, {"parallel.tp": "3"})
     with pytest.raises(ConfigError, match=r"no layout of llama3_70b on 2 x a100 fits; .*; it fits on 16 devices \(tp="):
         search(job_of("model=llama3_70b"), 2, get_device("a100"))
+
+
+def test_uncalibrated_figures_are_said_with_how_to_calibrate(tmp_path):
+    assert "predictions from fixed CPU figures, not measured here" in calibration_note(None, "cpu")
+    assert "--calibrate --name NAME" in calibration_note("cpu", "cpu")
+    assert calibration_note("h100", "cuda").startswith("parallel=auto: predictions from the h100 table's")
+    path = save_profile(CPU_FIGURES, str(tmp_path / "box.json"), {"runs": []})
+    assert calibration_note(str(path), "cpu") is None
 
 
 def test_a_profile_is_read_wherever_a_device_is_named(tmp_path):

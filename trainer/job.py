@@ -25,7 +25,7 @@ from trainer.output import OutputLock, check_writable
 from trainer.overrides import command_line, job_config
 from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
-from trainer.plan.auto import auto_device, choose_layout, pinned_keys
+from trainer.plan.auto import auto_device, calibration_note, choose_layout, pinned_keys
 from trainer.plan.devices import local_device
 from trainer.plan.search import apply_overrides
 from trainer.rules import check_config
@@ -125,8 +125,9 @@ def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> Jo
                           "would choose its own layout; give the degrees")
     target = auto_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), job.plan.device)
     _, chosen, said = in_own_process(choose_layout, job, world_size(), target, pinned_keys(command_line()))
+    note = calibration_note(job.plan.device, device.type)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(said, flush=True)
+        print(said if note is None else f"{note}\n{said}", flush=True)
     for key, value in chosen.items():
         section, name = key.split(".")
         config[section][name] = value

@@ -19,8 +19,8 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.plan import GIB
-from trainer.plan.devices import Device, cpu_device, local_device
-from trainer.plan.profiles import get_device
+from trainer.plan.devices import DEVICES, Device, cpu_device, local_device
+from trainer.plan.profiles import get_device, profile_path
 from trainer.plan.search import apply_overrides, describe_overrides, search
 
 # What the search chooses; any of them given on the command line is kept as given.
@@ -75,6 +75,34 @@ def choose_layout(job: JobConfig, world: int, device: Device, pinned: dict[str, 
     plan, overrides = results[0]
     lines = [f"parallel=auto: {describe_overrides(overrides)} on {world} x {device.name} "
              f"(predicted {plan.peak / GIB:.2f} GiB a rank, {plan.tokens_per_s:,.0f} tokens/s)"]
-    lines += [f"  runner-up: {describe_overrides(o)} ({p.peak / GIB:.2f} GiB, {p.tokens_per_s:,.0f} tokens/s)"
-              for p, o in results[1:4]]
+    lines += [f"  runner-up: {describe_overrides(o)} ({p.peak / GIB:.2f} GiB, {p.tokens_per_s:,.0f} tokens/s; "
+              f"{deciding_term(plan, p)})" for p, o in results[1:4]]
     return apply_overrides(job, overrides), {**overrides, **cleared}, "\n".join(lines)
+
+
+TERMS = {"compute_s": "compute", "fsdp_s": "FSDP", "tp_s": "tensor parallel", "cp_s": "context parallel",
+         "ep_s": "expert all-to-all", "pp_s": "pipeline sends", "optimizer_s": "optimizer"}
+
+
+def deciding_term(pick, other) -> str:
+    """The step-time term the runner-up loses most on against the pick (its pipeline bubble counted
+    as idle compute): what the plan's ranking rests on."""
+    def terms(plan) -> dict:
+        t = plan.time
+        found = {name: getattr(t, key) for key, name in TERMS.items()}
+        found["pipeline bubble"] = t.step_s * t.bubble
+        return found
+
+    mine, theirs = terms(pick), terms(other)
+    name = max(theirs, key=lambda k: theirs[k] - mine[k])
+    return f"{name} {theirs[name] - mine[name]:+.3f} s a step"
+
+
+def calibration_note(named: str | None, device_kind: str) -> str | None:
+    """What to say when the figures the search ranks with are not this machine's measurement."""
+    if named and named not in ("cpu", *DEVICES) and profile_path(named).is_file():
+        return None
+    figures = f"the {named} table's" if named in DEVICES else f"fixed {device_kind.upper()} figures"
+    return (f"parallel=auto: predictions from {figures}, not measured here (off by tens of percent at times); "
+            f"to rank with this machine's: python scripts/plan.py --calibrate --name NAME --world N <this job's "
+            f"overrides>, then launch with plan.device=NAME")
