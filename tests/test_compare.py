@@ -67,3 +67,13 @@ def test_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     # The same folder twice is said, not judged "same curve".
     code, out, err = run(capsys, a, tmp_path / "a" / ".." / "a")
     assert code == 2 and "given twice: a run compared with itself is always the same curve" in err and not out
+
+
+def test_a_run_s_layout_resolves_dp_shard_and_ep_of_minus_one(tmp_path):
+    run_dir = write_run(tmp_path / "moe", LOSSES, n_experts=8)
+    rows = [{**json.loads(line), "world_size": 4} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["parallel"] |= {"dp_shard": -1, "ep": -1}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    assert read_run(run_dir).layout == "dp_shard=4 ep=4"

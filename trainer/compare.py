@@ -37,11 +37,15 @@ class Run:
 
     @property
     def layout(self) -> str:
-        """Its mesh's degrees other than 1 (dp_shard=-1 resolved from the world size it ran on)."""
+        """Its mesh's degrees other than 1 (dp_shard=-1 resolved from the world size it ran on, ep=-1
+        as every dp_shard x cp rank of a model with experts)."""
         p = dict(self.config.get("parallel", {}))
         world = next(iter(self.steps.values())).get("world_size")
         if p.get("dp_shard") == -1 and world:
             p["dp_shard"] = world // math.prod(p.get(k) or 1 for k in ("pp", "dp_replicate", "cp", "tp"))
+        if p.get("ep") == -1 and p.get("dp_shard", 1) != -1:
+            experts = self.config.get("model", {}).get("n_experts")
+            p["ep"] = (p.get("dp_shard") or 1) * (p.get("cp") or 1) if experts else 1
         degrees = [f"{k}={p[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if p.get(k, 1) != 1]
         return " ".join(degrees) or "one process"
 
