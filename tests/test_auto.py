@@ -54,9 +54,10 @@ def test_the_choice_is_the_search_s_first_and_keeps_the_pins():
 
 
 def test_uncalibrated_figures_are_said_with_how_to_calibrate(tmp_path):
-    assert "predictions from fixed CPU figures, not measured here" in calibration_note(None, "cpu")
+    assert "parallel=auto predicts from fixed CPU figures, not measured here" in calibration_note(None, "cpu")
     assert "--calibrate --name NAME" in calibration_note("cpu", "cpu")
-    assert calibration_note("h100", "cuda").startswith("parallel=auto: predictions from the h100 table's")
+    assert calibration_note("h100", "cuda").startswith("plan: parallel=auto predicts from the h100 table's figures")
+    assert "from fixed CPU figures" in calibration_note("h100", "cpu")  # a GPU recipe's device, run on a CPU
     path = save_profile(CPU_FIGURES, str(tmp_path / "box.json"), {"runs": []})
     assert calibration_note(str(path), "cpu") is None
 

@@ -99,10 +99,12 @@ def deciding_term(pick, other) -> str:
 
 
 def calibration_note(named: str | None, device_kind: str) -> str | None:
-    """What to say when the figures the search ranks with are not this machine's measurement."""
-    if named and named not in ("cpu", *DEVICES) and profile_path(named).is_file():
+    """What to say when the figures the search ranks with (auto_device's) are not a measurement."""
+    profile = named and named not in ("cpu", *DEVICES) and profile_path(named).is_file()
+    if profile and get_device(named).kind == device_kind:
         return None
-    figures = f"the {named} table's" if named in DEVICES else f"fixed {device_kind.upper()} figures"
-    return (f"parallel=auto: predictions from {figures}, not measured here (off by tens of percent at times); "
+    table = named in DEVICES and DEVICES[named].kind == device_kind
+    figures = f"the {named} table's figures" if table else f"fixed {device_kind.upper()} figures"
+    return (f"plan: parallel=auto predicts from {figures}, not measured here (off by tens of percent at times); "
             f"to rank with this machine's: python scripts/plan.py --calibrate --name NAME --world N <this job's "
             f"overrides>, then launch with plan.device=NAME")
