@@ -129,13 +129,21 @@ def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1
     import_modules(job.imports)
     if world is None:
         return
-    if job.parallel.auto:
-        from trainer.distributed import resolve_device
-        from trainer.plan.auto import auto_device, choose_layout, pinned_keys
+    if job.parallel.auto:  # in a process of its own: a GPU's figures would start CUDA in this long-lived one
+        from trainer.job import in_own_process
+        from trainer.plan.search import apply_overrides
 
-        device = auto_device(resolve_device(job.device), local_ranks, job.plan.device)
-        job = choose_layout(job, world, device, pinned_keys(overrides))[0]
+        job = apply_overrides(job, in_own_process(_auto_layout, job, world, local_ranks, overrides))
     check_config(job, world)
+
+
+def _auto_layout(job, world: int, local_ranks: int, overrides: list[str]) -> dict:
+    """The overrides of the layout parallel=auto's ranks will choose."""
+    from trainer.distributed import resolve_device
+    from trainer.plan.auto import auto_device, choose_layout, pinned_keys
+
+    device = auto_device(resolve_device(job.device), local_ranks, job.plan.device)
+    return choose_layout(job, world, device, pinned_keys(overrides))[1]
 
 
 def world_of(nproc_per_node: str, nnodes: str) -> int | None:
