@@ -5,6 +5,7 @@
     python scripts/plan.py +recipe=llama_tp2_pp4 --json
     python scripts/plan.py --search --gpus 64 --device h100 model=llama3_70b
     python scripts/plan.py --calibrate --name my-box --world 2 model=llama_debug +smoke=cpu
+    python scripts/plan.py --rank --world 4 model=llama_debug +smoke=cpu   # parallel=auto's pick, measured
 
 Overrides are train.py's. `--world` and `--device` default to the recipe's `plan.world_size` and
 `plan.device` (else 1 rank of an h100). One process plays every rank in a fake process group.
@@ -38,10 +39,11 @@ def main(argv: list[str]) -> int:
                         help="run the job in a few layouts on --world ranks of this machine and write the profile "
                              "--name, whose efficiencies make the plan predict what was measured")
     parser.add_argument("--name", help="with --calibrate: the profile (devices/NAME.json, or a path ending .json)")
-    parser.add_argument("--steps", type=int, default=8, help="with --calibrate: steps a layout runs")
+    parser.add_argument("--steps", type=int, default=8, help="with --calibrate or --rank: steps a layout runs")
     parser.add_argument("--rank", action="store_true",
-                        help="with --calibrate: then run every other layout the search considers and print the "
-                             "plan's ranking beside the measured one")
+                        help="run every layout the search considers on --world ranks of this machine and print the "
+                             "plan's ranking beside the measured one: with --calibrate after fitting the profile, "
+                             "alone with the figures parallel=auto ranks with (--device, else the recipe's)")
     args, overrides = parser.parse_known_args(argv)
     try:
         job = compose_job(overrides)
@@ -52,6 +54,8 @@ def main(argv: list[str]) -> int:
             return search_command(job, args)
         if args.calibrate:
             return calibrate_command(job, args, overrides)
+        if args.rank:
+            return rank_command(job, args, overrides)
         return plan_command(job, args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -125,17 +129,38 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
         print(f"  {run['share']:>16}: {run['layout']}: measured {run['measured_tokens_per_s']:,.0f} tokens/s, "
               f"plan {run['predicted_tokens_per_s']:,.0f}")
     if args.rank:
-        rows = ranking(job, world, device, measure, {run["layout"]: run["measured_tokens_per_s"] for run in runs})
-        best = max(row["measured_tokens_per_s"] for row in rows)
-        print(f"\nthe search's layouts, best predicted first (tokens/s; the chosen one "
-              f"{rows[0]['measured_tokens_per_s'] / best - 1:+.1%} from the best measured):")
-        for row in rows:
-            print(f"  {row['predicted_tokens_per_s']:>10,.0f} predicted {row['measured_tokens_per_s']:>10,.0f} "
-                  f"measured  {row['layout']}")
-        record["ranking"] = rows
+        record["ranking"] = ranking(job, world, device, measure,
+                                    {run["layout"]: run["measured_tokens_per_s"] for run in runs})
+        print_ranking(record["ranking"])
     path = save_profile(device, args.name, record)
     print(f"written {path}: use it with plan.device={args.name} (train.py) or --device {args.name}")
     return 0
+
+
+def rank_command(job, args, overrides: list[str]) -> int:
+    """parallel=auto's pick against every other layout it considers, each run here: the figures it
+    ranks with are auto's for this machine (--device or plan.device: a profile, else fixed figures)."""
+    import torch
+
+    from trainer.plan.auto import auto_device, for_search
+    from trainer.plan.calibrate import ranking, torchrun_measure
+
+    world = args.world or torch.cuda.device_count() or 2
+    kind = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = auto_device(kind, world, args.device or job.plan.device)
+    job, cleared = for_search(job)
+    cleared = [f"{key}=null" for key in cleared]
+    print_ranking(ranking(job, world, device, torchrun_measure([*overrides, *cleared], world, args.steps)))
+    return 0
+
+
+def print_ranking(rows: list[dict]) -> None:
+    best = max(row["measured_tokens_per_s"] for row in rows)
+    print(f"\nthe search's layouts, best predicted first (tokens/s; the chosen one "
+          f"{rows[0]['measured_tokens_per_s'] / best - 1:+.1%} from the best measured):")
+    for row in rows:
+        print(f"  {row['predicted_tokens_per_s']:>10,.0f} predicted {row['measured_tokens_per_s']:>10,.0f} "
+              f"measured  {row['layout']}")
 
 
 def format_plan(plan, job) -> str:

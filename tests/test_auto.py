@@ -12,7 +12,15 @@ from helpers import launch, train_metrics
 from test_plan import job_of
 
 from trainer.errors import ConfigError
-from trainer.plan.auto import CPU_FIGURES, auto_device, calibration_note, choose_layout, core_share, pinned_keys
+from trainer.plan.auto import (
+    CPU_FIGURES,
+    auto_device,
+    calibration_note,
+    choose_layout,
+    core_share,
+    for_search,
+    pinned_keys,
+)
 from trainer.plan.calibrate import calibrate, ranking, steady_tokens_per_s
 from trainer.plan.devices import CPU_EFFICIENCY, Efficiency, measure_cpu
 from trainer.plan.profiles import get_device, load_profile, save_profile
@@ -45,6 +53,9 @@ def test_the_choice_is_the_search_s_first_and_keeps_the_pins():
     # A recipe's microbatch size would derive the accumulation: the search's choice replaces it.
     elastic, chosen, _ = choose_layout(job_of(*TINY, "training.micro_batch_size=1"), 2, device, {})
     assert elastic.training.micro_batch_size is None and chosen["training.micro_batch_size"] is None
+    # plan.py --rank measures that choice first: the search's first for the same job
+    searched, cleared = for_search(job_of(*TINY, "training.micro_batch_size=1"))
+    assert {**ranking(searched, 2, device, lambda overrides: 1.0)[0]["overrides"], **cleared} == chosen
     # No fit names the smallest change that fits: a pin let go, or more devices.
     with pytest.raises(ConfigError, match=r"^parallel=auto: no layout of llama_debug on 2 x cpu with parallel.tp=3 "
                                           r"kept fits; .*; without the pinned keys tp=1 .* fits$"):

@@ -69,8 +69,7 @@ def choose_layout(job: JobConfig, world: int, device: Device, pinned: dict[str, 
     """The job in the layout the search ranks first (pinned keys kept), the overrides that give it,
     and what to say: the pick and the runners-up. The search chooses the accumulation: a recipe's
     training.micro_batch_size (which would derive it) is dropped."""
-    cleared = {"training.micro_batch_size": None} if job.training.micro_batch_size is not None else {}
-    job = apply_overrides(job, cleared)
+    job, cleared = for_search(job)
     results = search(job, world, device, pinned, who="parallel=auto")
     plan, overrides = results[0]
     lines = [f"parallel=auto: {describe_overrides(overrides)} on {world} x {device.name} "
@@ -78,6 +77,13 @@ def choose_layout(job: JobConfig, world: int, device: Device, pinned: dict[str, 
     lines += [f"  runner-up: {describe_overrides(o)} ({p.peak / GIB:.2f} GiB, {p.tokens_per_s:,.0f} tokens/s; "
               f"{deciding_term(plan, p)})" for p, o in results[1:4]]
     return apply_overrides(job, overrides), {**overrides, **cleared}, "\n".join(lines)
+
+
+def for_search(job: JobConfig) -> tuple[JobConfig, dict]:
+    """The job the search chooses for, and what was cleared for it: a training.micro_batch_size
+    would derive the accumulation the search chooses."""
+    cleared = {"training.micro_batch_size": None} if job.training.micro_batch_size is not None else {}
+    return apply_overrides(job, cleared), cleared
 
 
 TERMS = {"compute_s": "compute", "fsdp_s": "FSDP", "tp_s": "tensor parallel", "cp_s": "context parallel",
