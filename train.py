@@ -11,10 +11,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from trainer.config_files import CONFIG_DIR, register_configs
+from trainer.checks.overrides import check_overrides, compose_job, renamed
+from trainer.config.files import CONFIG_DIR, register_configs
 from trainer.errors import ConfigError
-from trainer.overrides import check_overrides, compose_job, renamed
-from trainer.stop import default_signals
+from trainer.run.stop import default_signals
 
 register_configs()
 
@@ -68,7 +68,7 @@ def forget_old_markers(folder: Path, age_s: float = 600) -> None:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from trainer.job import run
+    from trainer.run.job import run
 
     try:
         run(cfg)

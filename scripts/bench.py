@@ -62,11 +62,11 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     from hydra import compose, initialize_config_dir
 
     from trainer import build_model
-    from trainer.allocator import reuse_freed_memory
-    from trainer.config_files import CONFIG_DIR, register_configs
+    from trainer.config.files import CONFIG_DIR, register_configs
     from trainer.hardware import measure_cpu_tflops
-    from trainer.measured_memory import peak_memory_gib
-    from trainer.metrics import flops_per_token
+    from trainer.observe.memory import peak_memory_gib
+    from trainer.observe.metrics import flops_per_token
+    from trainer.run.allocator import reuse_freed_memory
 
     torch.set_num_threads(threads)
     register_configs()

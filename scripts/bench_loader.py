@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainer.config_files import CONFIG_DIR, register_configs  # noqa: E402
+from trainer.checks.job import check_data  # noqa: E402
+from trainer.config.files import CONFIG_DIR, register_configs  # noqa: E402
 from trainer.data import BatchLoader, build_dataset  # noqa: E402
-from trainer.rules import check_data  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

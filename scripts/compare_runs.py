@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.compare import compare, read_run  # noqa: E402
+from trainer.observe.compare import compare, read_run  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -96,7 +96,7 @@ def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_
 
 def model_config_path(name: str) -> Path:
     """configs/model/NAME.yaml, which must not exist yet."""
-    from trainer import config_files
+    from trainer.config import files as config_files
 
     path = config_files.CONFIG_DIR / "model" / f"{name}.yaml"
     if path.exists():
@@ -129,7 +129,7 @@ def run_tokenizer(checkpoint: Path) -> str | None:
 
 
 def check_vocabulary(tokenizer: str, vocab_size: int) -> None:
-    from trainer.tokenizer import build_tokenizer
+    from trainer.data.tokenizer import build_tokenizer
 
     needed = build_tokenizer(tokenizer).vocab_size
     if needed > vocab_size:

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from trainer.memory_snapshot import side_stream_bytes  # noqa: E402
+from trainer.observe.memory_snapshot import side_stream_bytes  # noqa: E402
 
 # Per device, the fused SDPA kernels the models may get.
 SDPA_BACKENDS = {
@@ -181,8 +181,8 @@ def check_muon(device, args) -> tuple[str, str]:
     """Muon's Newton-Schulz iteration in its dtype there (bfloat16 on CUDA): the singular values of a
     batch of feed-forward-shaped matrices land in the band, and the rate it runs at (the plan's
     optimizer term assumes the matmuls' efficiency)."""
-    from trainer.muon import ns_dtype, orthogonalize
-    from trainer.muon_exchange import ns_flops
+    from trainer.optim.muon import ns_dtype, orthogonalize
+    from trainer.optim.muon_exchange import ns_flops
 
     dtype = ns_dtype("auto", device)
     batch, rows, cols = (8, 4096, 14336) if device.type == "cuda" else (2, 128, 384)
@@ -209,7 +209,7 @@ def check_health_clock(device, args) -> tuple[str, str]:
     figure within 20% of the same matmuls timed around a synchronize."""
     import torch.distributed as dist
 
-    from trainer.health import RankHealth
+    from trainer.observe.health import RankHealth
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cuda = device.type == "cuda"

@@ -21,8 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from trainer.checks.overrides import compose_job  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.overrides import compose_job  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -63,9 +63,9 @@ def main(argv: list[str]) -> int:
 
 
 def plan_command(job, args) -> int:
+    from trainer.checks.job import check_job
     from trainer.plan import make_plan
     from trainer.plan.profiles import get_device
-    from trainer.rules import check_job
 
     world = args.world or job.plan.world_size or 1
     if world < 1:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.compare import Run, read_run  # noqa: E402
+from trainer.observe.compare import Run, read_run  # noqa: E402
 
 # Each panel: its title and the metrics.jsonl keys it draws (the second one dashed).
 PANELS = [("loss", ("loss", "val_loss")), ("gradient norm", ("grad_norm",)), ("learning rate", ("lr",)),

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.data.cache import TokenWriter  # noqa: E402
 from trainer.data.readers import Problems, documents  # noqa: E402
+from trainer.data.tokenizer import CHUNK_CHARS, build_tokenizer, encode_pieces, pieces  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.tokenizer import CHUNK_CHARS, build_tokenizer, encode_pieces, pieces  # noqa: E402
 
 GROUP_CHARS = 4 * CHUNK_CHARS  # text handed to a worker at once
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from warm_run import WarmRun
 
-from trainer.launcher import children
+from trainer.run.launcher import children
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN, WARM_TRAIN = str(REPO / "train.py"), str(REPO / "tests" / "warm" / "train.py")
@@ -213,7 +213,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
 
 # The ranks of spawn() start from a server process that has imported torch and the trainer once for
 # the whole suite (seconds less per rank than a fresh interpreter's imports).
-mp.set_forkserver_preload(["torch", "torch.distributed", "trainer", "trainer.job"])
+mp.set_forkserver_preload(["torch", "torch.distributed", "trainer", "trainer.run.job"])
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 180) -> None:

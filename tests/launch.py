@@ -52,7 +52,7 @@ def run_script(script: str, args: list[str]) -> int:
 
 def main(nproc: int, overrides: list[str]) -> int:
     sys.path.insert(0, str(REPO))
-    import trainer.job  # noqa: F401  (the import the ranks share)
+    import trainer.run.job  # noqa: F401  (the import the ranks share)
     from trainer.distributed import _free_port
 
     port = _free_port()

@@ -35,7 +35,7 @@ def serve(path: str) -> None:
     sys.path.insert(0, str(REPO))
     import launch
 
-    import trainer.job  # noqa: F401  (the import every run shares)
+    import trainer.run.job  # noqa: F401  (the import every run shares)
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)

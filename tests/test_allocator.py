@@ -8,7 +8,7 @@ from helpers import ENV, REPO
 
 PROBE = """
 import resource, sys, torch
-from trainer.allocator import reuse_freed_memory
+from trainer.run.allocator import reuse_freed_memory
 if sys.argv[1] == "reuse":
     assert reuse_freed_memory()
 torch.ones(25_000_000)  # 100 MB: faulted in the first time either way

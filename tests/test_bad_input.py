@@ -13,8 +13,8 @@ from helpers import NEEDS_TORCHAO, NEEDS_TORCHFT
 
 from trainer.checkpoint.hf import config_from_hf
 from trainer.data.readers import documents
+from trainer.data.tokenizer import build_tokenizer
 from trainer.errors import ConfigError
-from trainer.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -282,7 +282,8 @@ def test_each_mistake_is_one_config_error_line_and_exit_2(name, tmp_path, capfd,
 def test_a_recipe_that_does_not_parse_fails_only_the_commands_that_choose_it(tmp_path, monkeypatch):
     """A user's recipe with a syntax error beside the team's: choosing it is one line naming the file
     and where it stops parsing; every other recipe composes as before."""
-    from trainer import config_files, overrides
+    from trainer.checks import overrides
+    from trainer.config import files as config_files
 
     shutil.copy(config_files.RECIPE_DIR / "llama_fsdp.yaml", tmp_path)
     (tmp_path / "mine.yaml").write_text("training:\n  steps: 5\n  seq_len: [1, 2\nbad: {\n")

@@ -14,12 +14,12 @@ from helpers import REPO, run_script, train_metrics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from trainer.config import DataConfig
+from trainer.config.schema import DataConfig
 from trainer.data.chat import assistant_spans, read_conversations
 from trainer.data.chat_windows import ChatWindows
 from trainer.data.loader import conversation_batch
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer
 from trainer.models.head import IGNORE_INDEX
-from trainer.tokenizer import ByteTokenizer, HFTokenizer
 
 sys.path.insert(0, str(REPO / "scripts"))
 from chat_example import conversations as digits_conversations  # noqa: E402  (1 to 3 turns, answers reversed)

@@ -29,12 +29,12 @@ from reference import cross_entropy
 
 from trainer import build_model, load_weights
 from trainer.checkpoint import CheckpointError, SafeReader, folders, verify
-from trainer.config import JobConfig
+from trainer.checks.job import check_config
+from trainer.checks.overrides import compose_job
+from trainer.config.schema import JobConfig
 from trainer.data import BatchLoader, build_dataset
 from trainer.errors import ConfigError
-from trainer.overrides import compose_job
-from trainer.rules import check_config
-from trainer.stop import SAME_SIGNAL_S
+from trainer.run.stop import SAME_SIGNAL_S
 
 STEPS = 10
 COMMON = (
@@ -206,7 +206,7 @@ def test_seed_checkpoint_is_the_starting_point(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sig, launcher", [("SIGTERM", "torch.distributed.run"), ("SIGINT", "trainer.launcher"),
+@pytest.mark.parametrize("sig, launcher", [("SIGTERM", "torch.distributed.run"), ("SIGINT", "trainer.run.launcher"),
                                            ("SIGINT", "torch.distributed.run")])
 def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig, launcher):
     """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption), or SIGINT to every process
@@ -227,7 +227,7 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig, 
     stopped = logged_steps(out)
     assert stopped < STEPS and f"stopped at step {stopped} on a signal ({sig})" in log, log[-3000:]
     assert "exitcode" not in log and "/trainer/" not in log and "Error executing job" not in log, log[-3000:]
-    if launcher == "trainer.launcher":
+    if launcher == "trainer.run.launcher":
         assert code == 0 and "Traceback" not in log and "SignalException" not in log, log[-3000:]
     if sig == "SIGINT":
         assert log.count("Ctrl-C: stopping after this step") == 1 and "Ctrl-C twice" not in log, log[-3000:]
@@ -248,7 +248,7 @@ def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
     once, saving nothing, exit status 130."""
     out = tmp_path / "run"
     process = start(1, *LLAMA, "training.steps=1000", "training.seq_len=512", "checkpoint.interval=1000",
-                    output_dir=out, launcher="trainer.launcher")
+                    output_dir=out, launcher="trainer.run.launcher")
     log = tmp_path / "run.log"
     wait_for(lambda: logged_steps(out) >= 1, process)
     os.killpg(process.pid, signal.SIGINT)

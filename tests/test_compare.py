@@ -7,7 +7,7 @@ import pytest
 import yaml
 from helpers import REPO
 
-from trainer.compare import TOLERANCES, compare, read_run
+from trainer.observe.compare import TOLERANCES, compare, read_run
 
 sys.path.insert(0, str(REPO / "scripts"))
 import compare_runs  # noqa: E402

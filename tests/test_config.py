@@ -6,9 +6,9 @@ from helpers import REPO, run_script
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
+from trainer.checks.overrides import check_overrides, compose_job, job_config, renamed
+from trainer.config.files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.errors import ConfigError
-from trainer.overrides import check_overrides, compose_job, job_config, renamed
 
 register_configs()
 
@@ -49,7 +49,7 @@ RECIPE_WORLDS = {"llama_fsdp": 8, "llama_hsdp": 8, "llama_tp2": 4, "llama_tp2_pp
 
 @pytest.mark.parametrize("recipe", RECIPE_WORLDS)
 def test_recipe_is_a_valid_layout_at_its_world_size(recipe):
-    from trainer.rules import check_job
+    from trainer.checks.job import check_job
 
     check_job(job_config(composed(f"+recipe={recipe}")), world=RECIPE_WORLDS[recipe])
 
@@ -106,8 +106,8 @@ def test_print_config_without_running():
 
 
 def test_llama_3_1_rotary_scaling_composes_and_bad_values_are_config_errors():
-    from trainer.ranges import check_ranges
-    from trainer.rules import check_model
+    from trainer.checks.job import check_model
+    from trainer.checks.ranges import check_ranges
 
     model = job_config(composed("model=llama3_2_1b")).model
     check_model(model)

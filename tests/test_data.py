@@ -15,7 +15,8 @@ import torch
 from helpers import launch, train_metrics
 
 from trainer import build_model
-from trainer.config import DataConfig
+from trainer.checks.job import check_data
+from trainer.config.schema import DataConfig
 from trainer.data import (
     STREAM_VAL_WINDOWS,
     BatchLoader,
@@ -27,10 +28,9 @@ from trainer.data import (
     document_positions,
     sentence,
 )
+from trainer.data.tokenizer import build_tokenizer
 from trainer.errors import ConfigError
 from trainer.models.attention import attend_within_documents
-from trainer.rules import check_data
-from trainer.tokenizer import build_tokenizer
 
 
 def test_embedded_text_is_deterministic_readable_text():

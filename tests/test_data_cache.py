@@ -13,7 +13,7 @@ import pytest
 from helpers import REPO
 
 import trainer.data.cache as cache
-from trainer.config import DataConfig
+from trainer.config.schema import DataConfig
 from trainer.data import build_dataset
 from trainer.data.order import Shuffled, permute, round_keys
 from trainer.data.readers import TokenFile
@@ -104,7 +104,7 @@ def test_token_files_from_another_tokenizer_or_cut_short_are_config_errors(tmp_p
 RSS_PROBE = """
 import re, sys
 sys.path.insert(0, sys.argv[2])
-from trainer.config import DataConfig
+from trainer.config.schema import DataConfig
 from trainer.data import BatchLoader, build_dataset
 data = build_dataset(DataConfig(source="binary", path=sys.argv[1]), seq_len=16, seed=0)
 loader = BatchLoader(data, global_batch=64, dp_rank=1, dp_size=2, grad_accum=1, seed=0)

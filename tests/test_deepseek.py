@@ -5,11 +5,11 @@ test_plan.py."""
 import pytest
 import torch
 
+from trainer.checks.job import check_job
+from trainer.checks.overrides import compose_job
 from trainer.errors import ConfigError
 from trainer.models import build_model, count_params, model_config
 from trainer.models.decoder import apply_rope, rope_cos_sin, rope_frequencies
-from trainer.overrides import compose_job
-from trainer.rules import check_job
 
 
 def active(cfg) -> int:

@@ -1,15 +1,15 @@
-"""The layout: degree inference, each of its rules (trainer/rules.py), and the mesh with its views."""
+"""The layout: degree inference, each of its rules (trainer/checks/job.py), and the mesh with its views."""
 
 import dataclasses
 
 import pytest
 from helpers import spawn
 
-from trainer.config import JobConfig
+from trainer.checks.job import check_job, resolve_layout
+from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.models import model_config
 from trainer.parallel.dims import ParallelDims
-from trainer.rules import check_job, resolve_layout
 
 
 def job_for(**settings) -> JobConfig:
@@ -192,7 +192,7 @@ def test_mesh_dims_and_views_on_eight_ranks():
 
 
 def test_the_mesh_line_names_the_expert_degree():
-    from trainer.describe import describe_layout
+    from trainer.observe.describe import describe_layout
 
     dims = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, ep=2, world_size=4, moe=True)
     assert describe_layout(dims) == "mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1 (ep=2 over dp_shard x cp)"

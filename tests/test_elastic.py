@@ -29,9 +29,9 @@ from helpers import (
 )
 from test_plan import job_of
 
-from trainer.describe import describe_layout
+from trainer.checks.job import check_job
+from trainer.observe.describe import describe_layout
 from trainer.plan.auto import auto_device, choose_layout
-from trainer.rules import check_job
 
 JOB = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=64", "training.global_batch_size=8",
        "training.lr=3e-3", "training.warmup_steps=2", "checkpoint.enabled=true", "checkpoint.interval=2")
@@ -118,7 +118,7 @@ def agent(node: int, out: Path, port: int, tmp_path: Path) -> subprocess.Popen:
     the layout chosen at each start (parallel=auto). Node 1 hosts the rendezvous store (on one machine
     every agent would otherwise take the endpoint for its own)."""
     return start(2, *JOB, *ELASTIC, output_dir=out,
-                 log=tmp_path / f"node{node}.log", launcher="trainer.launcher",
+                 log=tmp_path / f"node{node}.log", launcher="trainer.run.launcher",
                  rendezvous=("--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                              "--rdzv_id=elastic", f"--rdzv_conf=is_host={int(node == 1)},{RDZV_CONF}"),
                  launcher_args=("--max-restarts=3",), env={"TRAINER_FAULTS": f"pause@{PAUSE_STEP}"})

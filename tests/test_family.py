@@ -17,7 +17,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from trainer import build_model
-from trainer.config import ModelConfig
+from trainer.checks.job import check_job
+from trainer.checks.overrides import compose_job
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec, register_family
 from trainer.models.attention import CausalAttention
@@ -25,8 +27,6 @@ from trainer.models.costs import FP32, Costs, Flops, Shapes, gqa_context_bytes, 
 from trainer.models.decoder import apply_rope, rope_cos_sin, rope_frequencies
 from trainer.models.head import LMHead
 from trainer.models.tp_plans import LMHeadParallel, ReplicateParameters
-from trainer.overrides import compose_job
-from trainer.rules import check_job
 
 FAMILY = "gelu_test"
 

@@ -200,7 +200,7 @@ def _session_pids(process: WarmRun) -> list[int]:
 
 def test_fault_tolerance_without_torchft_is_a_config_error(monkeypatch):
     from trainer.errors import ConfigError
-    from trainer.fault_tolerance import torchft
+    from trainer.faults.tolerance import torchft
 
     monkeypatch.setitem(sys.modules, "torchft", None)  # as if torchft were not installed
     with pytest.raises(ConfigError, match=r'^fault_tolerance.enabled=true needs torchft: pip install -e ".\[ft\]"'):

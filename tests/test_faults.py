@@ -14,7 +14,7 @@ import torch
 from helpers import launch, read_metrics
 
 from trainer import build_model
-from trainer.fault_injection import FaultInjection
+from trainer.faults.injection import FaultInjection
 from trainer.models import model_config as load_model_config
 
 SMALL = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "training.seq_len=32",

@@ -14,10 +14,10 @@ import pytest
 from helpers import NEEDS_TORCHAO, train_metrics
 from test_parity import CHUNKED, COMMON, check_against, max_relative_difference
 
-from trainer.config import Float8Config, JobConfig, TrainingConfig
+from trainer.checks.ranges import check_ranges
+from trainer.config.schema import Float8Config, JobConfig, TrainingConfig
 from trainer.errors import ConfigError
 from trainer.float8 import check_float8, check_float8_layers, convert, describe
-from trainer.ranges import check_ranges
 
 FLOAT8 = ("training.float8.enabled=true",)
 EMULATED = ("training.float8.emulate=true",)

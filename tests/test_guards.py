@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import launch, read_metrics, spawn
 
-from trainer.config import SpikeConfig, TrainingConfig
+from trainer.config.schema import SpikeConfig, TrainingConfig
 from trainer.errors import TrainingStopped
-from trainer.guards import StepGuard, check_finite
+from trainer.faults.guards import StepGuard, check_finite
 
 SMALL = ("model=llama_debug", "+smoke=cpu", "training.seq_len=32", "training.global_batch_size=4",
          "training.lr=3e-3", "model.n_layers=2")

@@ -1,10 +1,10 @@
-"""Straggler detection (trainer/health.py): the verdict from the ranks' phase times, and a 4-rank run
+"""Straggler detection (trainer/observe/health.py): the verdict from the ranks' phase times, and a 4-rank run
 where one rank computes at half speed and another reads its data slowly, injected (TRAINER_FAULTS)."""
 
 import pytest
 from helpers import launch, read_metrics
 
-from trainer.health import slowdowns
+from trainer.observe.health import slowdowns
 
 FIGURES = [[0.01, 0.30, 0.02], [0.01, 0.31, 0.02], [0.01, 0.60, 0.02], [0.31, 0.30, 0.02]]  # seconds a step
 

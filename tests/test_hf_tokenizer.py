@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer import build_model
 from trainer.checkpoint.state import save_weights
+from trainer.data.tokenizer import build_tokenizer
 from trainer.errors import ConfigError
-from trainer.tokenizer import build_tokenizer
 
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_hf  # noqa: E402
@@ -80,10 +80,10 @@ def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tm
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer import config_files
     from trainer.checkpoint.folders import CheckpointError
     from trainer.checkpoint.hf import config_from_hf
     from trainer.checkpoint.state import check_same_shape
+    from trainer.config import files as config_files
     from trainer.models import model_config
 
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

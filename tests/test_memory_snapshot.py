@@ -2,9 +2,9 @@
 
 import torch
 
-from trainer.memory_snapshot import live_at_peak, origin, report, side_stream_bytes
+from trainer.observe.memory_snapshot import live_at_peak, origin, report, side_stream_bytes
 
-OURS = [{"filename": "/x/trainer/loop.py", "line": 7, "name": "train_step"}]
+OURS = [{"filename": "/x/trainer/run/loop.py", "line": 7, "name": "train_step"}]
 TORCH = [{"filename": "/y/torch/optim/adamw.py", "line": 3, "name": "step"}]
 
 

@@ -5,9 +5,9 @@ import torch
 
 from trainer import build_model
 from trainer.hardware import cuda_peak_tflops
-from trainer.metrics import flops_per_token, format_record, peak_tflops
 from trainer.models import model_config as load_model_config
-from trainer.summary import duration, summary_lines
+from trainer.observe.metrics import flops_per_token, format_record, peak_tflops
+from trainer.observe.summary import duration, summary_lines
 
 
 def test_flops_per_token_is_six_times_the_matmul_weights_plus_attention():

@@ -5,10 +5,10 @@ import pytest
 import torch
 from helpers import launch
 
-from trainer.config import DataConfig, MixSource
+from trainer.checks.job import check_data
+from trainer.config.schema import DataConfig, MixSource
 from trainer.data import BatchLoader, build_dataset
 from trainer.errors import ConfigError
-from trainer.rules import check_data
 
 # Three sources of disjoint alphabets, so each window tells which source it came from.
 ALPHABETS = ("abcdefgh", "ijklmnop", "qrstuvwx")

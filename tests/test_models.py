@@ -6,7 +6,7 @@ from helpers import spawn
 
 from trainer import build_model
 from trainer.checkpoint.state import check_same_shape
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models import count_params, init_weights, materialize, model_config
 from trainer.models.moe_config import MoEConfig

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from helpers import spawn
 from torch import nn
 
-from trainer.config import OptimConfig
+from trainer.config.schema import OptimConfig
 from trainer.models import build_model, family
-from trainer.muon import orthogonalize
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
+from trainer.optim.muon import orthogonalize
 
 
 def matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -144,10 +144,10 @@ def _exchange(rank: int, world_size: int) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    import trainer.muon_exchange
-    from trainer.muon_exchange import MatrixExchange, my_box
+    import trainer.optim.muon_exchange
+    from trainer.optim.muon_exchange import MatrixExchange, my_box
 
-    trainer.muon_exchange.ROUND_ELEMENTS = 500  # several rounds (the parity rows run one)
+    trainer.optim.muon_exchange.ROUND_ELEMENTS = 500  # several rounds (the parity rows run one)
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)

@@ -4,8 +4,10 @@ import math
 
 import torch
 
-from trainer.config import OptimConfig
-from trainer.optim import build_optimizer, clip_grad_norm_, lr_lambda
+from trainer.config.schema import OptimConfig
+from trainer.optim.build import build_optimizer
+from trainer.optim.clipping import clip_grad_norm_
+from trainer.optim.schedule import lr_lambda
 
 
 def test_warmup_then_cosine_to_the_floor():

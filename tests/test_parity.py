@@ -22,10 +22,12 @@ from reference import cross_entropy
 
 from trainer import build_model, load_weights
 from trainer.checkpoint.state import saved_config
-from trainer.compare import TOLERANCES, compare, read_run
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 from trainer.data import BatchLoader, build_dataset, sentence
-from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from trainer.observe.compare import TOLERANCES, compare, read_run
+from trainer.optim.build import build_optimizer
+from trainer.optim.clipping import clip_grad_norm_
+from trainer.optim.schedule import build_scheduler
 from trainer.parallel.context_parallel import METHODS as CP_METHODS
 from trainer.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 

@@ -15,13 +15,13 @@ import torch
 from helpers import NEEDS_TORCHAO, REPO, launch, train_metrics
 from hydra import compose, initialize_config_dir
 
-from trainer.config_files import CONFIG_DIR, RECIPE_DIR, register_configs
-from trainer.overrides import job_config
+from trainer.checks.job import check_job
+from trainer.checks.overrides import job_config
+from trainer.config.files import CONFIG_DIR, RECIPE_DIR, register_configs
 from trainer.plan import GIB, make_plan
 from trainer.plan.devices import local_device, measure_cpu
 from trainer.plan.profiles import get_device
 from trainer.plan.search import search
-from trainer.rules import check_job
 
 sys.path.insert(0, str(REPO / "scripts"))
 import plan as plan_script  # noqa: E402

@@ -10,7 +10,7 @@ from helpers import REPO, needs
 sys.path.insert(0, str(REPO / "scripts"))
 import plot_run  # noqa: E402
 
-from trainer.compare import read_run  # noqa: E402
+from trainer.observe.compare import read_run  # noqa: E402
 
 NEEDS_MATPLOTLIB = needs("matplotlib", "plot")
 # matplotlib's first plot on a machine builds its font cache, which runs one `fc-list`: a tool's command.

@@ -1,11 +1,11 @@
-"""Values no key can take (trainer/ranges.py): each one config error line, before anything is built."""
+"""Values no key can take (trainer/checks/ranges.py): each one config error line, before anything is built."""
 
 import pytest
 
-from trainer.config import JobConfig
+from trainer.checks.job import check_job
+from trainer.checks.ranges import RANGES, value_of
+from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
-from trainer.ranges import RANGES, value_of
-from trainer.rules import check_job
 
 
 def job_with(key: str, value) -> JobConfig:

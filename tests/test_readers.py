@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import REPO, run_script
 
-from trainer.config import DataConfig
+from trainer.config.schema import DataConfig
 from trainer.data import STREAM_VAL_WINDOWS, BatchLoader, ByteTokenizer, build_dataset, sentence
+from trainer.data.tokenizer import CHUNK_CHARS, build_tokenizer
 from trainer.errors import ConfigError
-from trainer.tokenizer import CHUNK_CHARS, build_tokenizer
 
 
 def test_text_file_source(tmp_path):

@@ -12,12 +12,12 @@ import pytest
 import torch
 from helpers import REPO
 
-from trainer.launcher import world_of
+from trainer.checks.job import check_config
+from trainer.checks.overrides import compose_job
 from trainer.models import import_modules
-from trainer.overrides import compose_job
 from trainer.plan.auto import auto_device, choose_layout, pinned_keys
 from trainer.plan.profiles import get_device
-from trainer.rules import check_config
+from trainer.run.launcher import world_of
 
 sys.path.insert(0, str(REPO / "scripts"))
 import plan  # noqa: E402

@@ -13,7 +13,7 @@ from trainer import build_model
 from trainer.checkpoint.folders import CheckpointError, newest_step
 from trainer.checkpoint.rerun import check_rerun
 from trainer.checkpoint.state import save_weights
-from trainer.config import CheckpointConfig
+from trainer.config.schema import CheckpointConfig
 from trainer.errors import ConfigError
 
 sys.path.insert(0, str(REPO / "scripts"))

@@ -57,12 +57,12 @@ def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
     assert 'train.py", line' not in result.stderr and "/trainer/" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
     # trainer-run checks the config before it starts any rank: the line, exit 2, nothing else.
-    run = subprocess.run([sys.executable, "-m", "trainer.launcher", "--standalone", "--nproc_per_node=4",
+    run = subprocess.run([sys.executable, "-m", "trainer.run.launcher", "--standalone", "--nproc_per_node=4",
                           str(REPO / "train.py"), *bad, f"output_dir={tmp_path}"], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stderr) == (2, line + "\n")
     # So it does for parallel=auto: the layout every rank would choose, found impossible first.
-    run = subprocess.run([sys.executable, "-m", "trainer.launcher", "--standalone", "--nproc_per_node=2",
+    run = subprocess.run([sys.executable, "-m", "trainer.run.launcher", "--standalone", "--nproc_per_node=2",
                           str(REPO / "train.py"), *bad, "parallel=auto", f"output_dir={tmp_path}"], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.startswith("config error: parallel=auto: no layout of llama_debug on "
@@ -104,9 +104,9 @@ def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
 def test_precision_and_compile_rules_are_config_errors(monkeypatch):
     import pytest
 
-    from trainer.config import JobConfig
+    from trainer.checks.job import check_job
+    from trainer.config.schema import JobConfig
     from trainer.errors import ConfigError
-    from trainer.rules import check_job
 
     def check(device="cpu", compile=False, **dtypes):
         job = JobConfig()
@@ -146,10 +146,10 @@ def test_mixture_of_experts_rules_are_config_errors():
 
     import pytest
 
-    from trainer.config import JobConfig
+    from trainer.checks.job import check_job
+    from trainer.config.schema import JobConfig
     from trainer.errors import ConfigError
     from trainer.models import model_config as load_model_config
-    from trainer.rules import check_job
 
     def job_with(**settings):
         job = JobConfig()

@@ -27,10 +27,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from trainer.config import Float8Config
+from trainer.config.schema import Float8Config
 from trainer.errors import ConfigError
 from trainer.models.head import LMHead
-from trainer.parts import StepPart
+from trainer.step_parts import StepPart
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's named recipes
 INSTALL = 'pip install -e ".[float8]"'
@@ -203,11 +203,11 @@ class Float8Scales(StepPart):
     """The scales of the float8 weights FSDP gathers in a step, in one all-reduce before its forward
     (else each unit reduces its own at every gather), so loaded weights are never stale."""
 
-    def __init__(self, parts: list[nn.Module]):
-        self.parts = parts
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
 
     def before_forward(self, step: int) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # (imported quietly at build)
 
-        for part in self.parts:
+        for part in self.model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)

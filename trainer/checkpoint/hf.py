@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import ModelConfig, RopeScaling
+from trainer.config.schema import ModelConfig, RopeScaling
 from trainer.errors import ConfigError
 from trainer.models import model_config, tied_names
 from trainer.models.spec import HFMapping, families, family, family_by_hf_type

@@ -17,7 +17,7 @@ from trainer.checkpoint.folders import CheckpointError, SafeReader, verify
 from trainer.checkpoint.hf import hf_tensors, write_hf_config
 from trainer.checkpoint.safetensors_io import encode_header
 from trainer.checkpoint.state import quiet_single_process
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 

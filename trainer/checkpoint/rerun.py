@@ -9,10 +9,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.folders import MANIFEST, checkpoint_steps
-from trainer.config import CheckpointConfig, JobConfig, ModelConfig, shape_keys
+from trainer.config.schema import CheckpointConfig, JobConfig, ModelConfig, shape_keys
 from trainer.errors import ConfigError
 from trainer.models import model_config
-from trainer.optim import lr_lambda
+from trainer.optim.schedule import lr_lambda
 
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size", "training.lr",
                  "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",

@@ -29,7 +29,7 @@ from trainer.checkpoint.folders import (
 )
 from trainer.checkpoint.state import TrainState, check_same_shape, load_weights, saved_config
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.distributed import gloo_group, max_restarts, restart_count
 from trainer.errors import TrainingStopped
 

@@ -29,7 +29,7 @@ from trainer.checkpoint.folders import MODEL_CONFIG, CheckpointError, SafeReader
 from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
-from trainer.config import ModelConfig, shape_keys
+from trainer.config.schema import ModelConfig, shape_keys
 from trainer.errors import ConfigError
 from trainer.float8 import plain
 from trainer.models import model_config

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from trainer.tokenizer import build_tokenizer, is_bytes
+from trainer.data.tokenizer import build_tokenizer, is_bytes
 
 TOKENIZER = "tokenizer.json"
 BESIDE = ("tokenizer_config.json", "special_tokens_map.json")

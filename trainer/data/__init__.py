@@ -22,8 +22,8 @@ from trainer.data.loader import BatchLoader, Prefetcher, document_positions
 from trainer.data.mixture import Mixture
 from trainer.data.packed import VAL_FRACTION, PackedTokens
 from trainer.data.readers import documents, read_token_file
+from trainer.data.tokenizer import ByteTokenizer, build_tokenizer, is_bytes
 from trainer.errors import ConfigError
-from trainer.tokenizer import ByteTokenizer, build_tokenizer, is_bytes
 
 SOURCES = ("embedded", "text", "json", "parquet", "hub", "binary")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.readers import Problems, TokenFile, documents, read_token_file, text_paths
+from trainer.data.tokenizer import build_tokenizer, encode_documents, is_bytes
 from trainer.errors import ConfigError
-from trainer.tokenizer import build_tokenizer, encode_documents, is_bytes
 
 CACHE_FORMAT = 2  # bumped when the tokens written for the same input would change (2: empty files skipped)
 

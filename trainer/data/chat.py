@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.readers import Problems, file_rows, text_paths
+from trainer.data.tokenizer import is_bytes
 from trainer.errors import ConfigError
-from trainer.tokenizer import is_bytes
 
 FORMATS = ("text", "chat", "completion")
 OVERLONG = ("truncate", "drop")

@@ -7,7 +7,7 @@ import random
 import torch
 from torch.utils.data import Dataset
 
-from trainer.tokenizer import ByteTokenizer
+from trainer.data.tokenizer import ByteTokenizer
 
 _NAMES = "anna ben clara david emma felix grace henry iris jack kate leo mia noah olive paul".split()
 _NOUNS = "cat dog bird horse river stone tree house boat garden window road king queen child letter".split()

@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.data.readers import Problems, row_texts
+from trainer.data.tokenizer import build_tokenizer, encode_documents
 from trainer.errors import ConfigError
-from trainer.tokenizer import build_tokenizer, encode_documents
 
 STREAM_VAL_WINDOWS = 256  # of a streamed Hub dataset, held out (the first ones) for validation
 

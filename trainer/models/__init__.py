@@ -19,11 +19,11 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.config import ModelConfig
-from trainer.config_files import load_model_file
+from trainer.config.files import load_model_file
+from trainer.config.keys import wanted
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models.spec import ModelSpec, families, family, register_family
-from trainer.overrides import wanted
 from trainer.tensors import local_tensor
 
 __all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules", "init_weights",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.models.decoder import head_width
 from trainer.models.moe_config import MoEConfig
 

@@ -68,7 +68,7 @@ def set_loss_chunk(model: nn.Module, tokens: int | None, compiled: bool = False)
 
 def sum_token_losses(model: nn.Module) -> None:
     """Every LMHead of `model` returns the sum of its token losses, not their mean: the trainer divides
-    by the step's supervised tokens over every rank and microbatch (trainer.steps.supervised_scale)."""
+    by the step's supervised tokens over every rank and microbatch (trainer.run.passes.supervised_scale)."""
     for module in model.modules():
         if isinstance(module, LMHead):
             module.summed = True

@@ -7,7 +7,7 @@ in the q/k/v rows, as transformers' Llama does, so q_proj and k_proj map over un
 
 from __future__ import annotations
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 
 # Our SwiGLU projections -> transformers' names.

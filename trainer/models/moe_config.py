@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import ModelConfig, shape
+from trainer.config.schema import ModelConfig, shape
 from trainer.errors import ConfigError
 from trainer.models.moe import MoE
 from trainer.models.routing import Routing

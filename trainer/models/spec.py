@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models.costs import Costs
 
@@ -43,7 +43,7 @@ class ModelSpec:
     """Everything particular to one model family.
 
     - `config`: its config class, ModelConfig or a dataclass subclass of it declaring the family's
-      own keys (set as model.<key>=..., checked like every key; a field made with trainer.config.shape
+      own keys (set as model.<key>=..., checked like every key; a field made with trainer.config.schema.shape
       is one a checkpoint must agree on).
     - `model`: the plain-PyTorch model class, built from its config; it defines `init_std(name)`.
       `forward(tokens, positions=None, labels=None)` accepts a stage's inputs (hidden states when it

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.float8 import float8_tp_plan, gather_bytes_over_gloo
 from trainer.models.spec import ModelSpec
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint

@@ -1,4 +1,5 @@
-"""The parallel layout: degrees and the one DeviceMesh every parallelism slices (their rules: trainer/rules.py)."""
+"""The parallel layout: degrees and the one DeviceMesh every parallelism slices (their rules:
+trainer/checks/layout.py)."""
 
 from __future__ import annotations
 

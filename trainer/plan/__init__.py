@@ -16,13 +16,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
-from trainer.metrics import flops_per_token
 from trainer.models import family
 from trainer.models.costs import FP32, Shapes
 from trainer.models.moe_config import n_experts
-from trainer.muon import ns_dtype
+from trainer.observe.metrics import flops_per_token
+from trainer.optim.muon import ns_dtype
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 from trainer.plan import GIB
 from trainer.plan.devices import DEVICES, Device, cpu_device, local_device
 from trainer.plan.profiles import get_device, profile_path

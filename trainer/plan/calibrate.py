@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from trainer.config import JobConfig
+from trainer.checks.job import check_job
+from trainer.config.schema import JobConfig
 from trainer.plan import make_plan
 from trainer.plan.devices import Device
 from trainer.plan.search import apply_overrides, describe_overrides, search
-from trainer.rules import check_job
 
 # The layout that measures each share, among the search's: a test of its overrides on `world` ranks.
 KINDS = {

@@ -1,6 +1,6 @@
 """What each rank holds of the model, read from the real parallelized module tree.
 
-The model is built on the meta device by the function training builds it with (trainer/build.py),
+The model is built on the meta device by the function training builds it with (trainer/parallel/build.py),
 on a mesh of the job's real world size made by torch's `fake` process-group backend (one process
 plays rank 0 of any world). Each parameter's local shard then has the shape training
 would give it, so the plan cannot drift from the code.
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from trainer.build import build_options, build_part, one_block
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 from trainer.models import ModelSpec, family
 from trainer.models.moe import moe_layers
-from trainer.muon import is_muon_matrix
-from trainer.muon_exchange import ns_flops
+from trainer.optim.muon import is_muon_matrix
+from trainer.optim.muon_exchange import ns_flops
+from trainer.parallel.build import build_options, build_part, one_block
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import edge_units
 from trainer.parallel.pipeline import stage_ids

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.models.costs import FP32, Costs, Shapes
-from trainer.muon_exchange import ROUND_ELEMENTS
+from trainer.optim.muon_exchange import ROUND_ELEMENTS
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE
 from trainer.plan.layout import StageHoldings
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from trainer.config import JobConfig
+from trainer.checks.job import check_job
+from trainer.checks.ranges import check_ranges
+from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.models import build_model, count_params
 from trainer.models.moe import moe_layers
@@ -20,8 +22,6 @@ from trainer.models.moe_config import n_experts
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.plan import GIB, MARGIN, Plan, make_plan
 from trainer.plan.devices import Device
-from trainer.ranges import check_ranges
-from trainer.rules import check_job
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.config import ModelConfig, shape
+from trainer.config.schema import ModelConfig, shape
 from trainer.errors import ConfigError
 from trainer.models.attention import CausalAttention
 from trainer.models.decoder import (

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2 and 3 shapes), registered as `model.family=llama`."""
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.models.llama.costs import COSTS
 from trainer.models.llama.hf import HF
 from trainer.models.llama.model import Llama, check

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models.hf_names import attention_names, edge_names, swiglu_names
 from trainer.models.spec import HFMapping

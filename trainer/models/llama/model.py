@@ -1,11 +1,11 @@
 """Llama (Llama 2 and 3 shapes): RMSNorm, rotary embeddings, grouped-query attention, SwiGLU. Llama
-has no keys beyond the ones every family shares (trainer.config.ModelConfig)."""
+has no keys beyond the ones every family shares (trainer.config.schema.ModelConfig)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.models.decoder import Attention, Decoder, check_heads, head_width
 from trainer.models.layers import FeedForward
 

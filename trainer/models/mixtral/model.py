@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.models.decoder import Attention, Decoder, check_heads, head_width
 from trainer.models.moe import RESIDUAL_OUTPUTS as MOE_OUTPUTS
 from trainer.models.moe_config import MoEConfig, check_moe, moe_from_config

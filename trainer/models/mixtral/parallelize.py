@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.models.tp_plans import attention_plan, edge_plan, moe_plan
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.models.decoder import Attention, Decoder, HeadDimConfig, check_heads, head_width
 from trainer.models.layers import FeedForward
 

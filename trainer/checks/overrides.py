@@ -10,12 +10,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import typing
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config import JobConfig, ModelConfig
-from trainer.config_files import BROKEN_RECIPES, CONFIG_DIR, RECIPE_DIR, register_configs, yaml_error
+from trainer.config.files import BROKEN_RECIPES, CONFIG_DIR, RECIPE_DIR, register_configs, yaml_error
+from trainer.config.keys import group_keys, schema_keys, wanted
+from trainer.config.schema import JobConfig, ModelConfig
 from trainer.errors import ConfigError
 
 GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
@@ -104,7 +104,7 @@ def _composition_message(e: Exception) -> str:
     while cause is not None and not isinstance(cause, ValidationError):
         cause = cause.__cause__ or cause.__context__
     if cause is not None and cause.full_key:
-        group = _group_keys(JobConfig, cause.full_key)
+        group = group_keys(JobConfig, cause.full_key)
         if group:  # a group of keys given one value (metrics.tensorboard=true)
             said = f"{cause.full_key} is a group of keys ({', '.join(group)}), not a value"
             if "enabled" in group and isinstance(cause.value, bool):
@@ -112,30 +112,6 @@ def _composition_message(e: Exception) -> str:
             return f"{said}: set one of them ({cause.full_key}.{group[0]}=...)"
         return f"{cause.full_key}={cause.value} must be {wanted(JobConfig, cause.full_key)}"
     return " ".join(str(e).split("\n")[:2]).strip()
-
-
-WANTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _group_keys(cls, key: str) -> list[str]:
-    """The keys of the section `key` (dotted) of the dataclass `cls`; [] when it is a single key."""
-    for name in key.split("."):
-        cls = _dataclass_of(typing.get_type_hints(cls).get(name.split("[")[0])) if cls is not None else None
-    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
-
-
-def wanted(cls, key: str) -> str:
-    """What the field `key` (dotted) of the dataclass `cls` holds, in words."""
-    hint = None
-    for name in key.split("."):
-        if cls is None:
-            return "of the schema's type"
-        hint = typing.get_type_hints(cls).get(name.split("[")[0])
-        cls = _dataclass_of(hint)
-    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
-    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if optional else hint
-    words = WANTED.get(base) or ("a list" if typing.get_origin(base) is list else "of the schema's type")
-    return words + (" (or null)" if optional else "")
 
 
 def _check_choice(group: str, name: str) -> None:
@@ -174,29 +150,3 @@ def nearest_key(key: str, keys: set[str]) -> str | None:
     same_name = [k for k in candidates if k.rpartition(".")[2] == name]
     best = max(same_name or candidates, key=likeness)
     return best if likeness(best) >= 1.2 else None
-
-
-def schema_keys() -> set[str]:
-    """Every dotted key of the job's schema, nested sections included."""
-    return _fields(JobConfig, "")
-
-
-def _fields(cls, prefix: str) -> set[str]:
-    keys = set()
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        key = prefix + field.name
-        keys.add(key)
-        inner = _dataclass_of(hints[field.name])
-        if inner is not None:
-            keys |= _fields(inner, key + ".")
-    return keys
-
-
-def _dataclass_of(hint):
-    """The dataclass a field holds (itself, or inside Optional[...]), None for plain values and lists."""
-    if dataclasses.is_dataclass(hint):
-        return hint
-    if typing.get_origin(hint) is typing.Union:
-        return next((arg for arg in typing.get_args(hint) if dataclasses.is_dataclass(arg)), None)
-    return None

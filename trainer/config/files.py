@@ -10,10 +10,10 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 RECIPE_DIR = REPO_ROOT / "recipes"
 # Recipes whose files do not parse, by name: registered as nothing, said when chosen.
@@ -31,7 +31,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     schema = OmegaConf.structured(JobConfig)
     # The model section takes keys beyond the shared ones: its family's config class types and checks
-    # them once the config is composed (trainer.overrides.job_config).
+    # them once the config is composed (trainer.checks.overrides.job_config).
     OmegaConf.set_struct(schema.model, False)
     cs.store(name="job_schema", node=schema)
     for path in sorted(RECIPE_DIR.glob("*.yaml")):

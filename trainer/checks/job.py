@@ -4,7 +4,7 @@
 scripts/plan.py before planning, and the layout search on each candidate it enumerates. Rules on
 the model's shape come before the degree rules: they name the key the user most likely got wrong.
 Rules that need the data (the tokenizer's vocabulary) stay with the data; the rules between the
-parallel degrees are trainer/layout_rules.py's.
+parallel degrees are trainer/checks/layout.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 
 from trainer.checkpoint.folders import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
-from trainer.config import (
+from trainer.checks.layout import resolve_layout
+from trainer.checks.ranges import check_ranges
+from trainer.config.schema import (
     CheckpointConfig,
     DataConfig,
     FaultToleranceConfig,
@@ -29,17 +31,15 @@ from trainer.config import (
 )
 from trainer.data import SOURCES, mix_source
 from trainer.data.chat import FORMATS, OVERLONG
+from trainer.data.tokenizer import is_bytes
 from trainer.errors import ConfigError
-from trainer.fault_tolerance import check_available, group_view
+from trainer.faults.tolerance import check_available, group_view
 from trainer.float8 import check_float8, check_float8_layers
-from trainer.layout_rules import resolve_layout
 from trainer.models import build_model, family
 from trainer.models.moe_config import MoEConfig, n_experts
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
-from trainer.ranges import check_ranges
 from trainer.tensors import DTYPES, param_dtype
-from trainer.tokenizer import is_bytes
 
 
 def check_config(job: JobConfig, world: int) -> ParallelDims:

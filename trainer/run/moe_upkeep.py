@@ -11,20 +11,21 @@ from trainer.models import ModelSpec
 from trainer.models.moe import moe_layers, update_expert_biases
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import sum_grads_over_tp
-from trainer.parts import StepPart
+from trainer.step_parts import StepPart
 
 
 class MoEUpkeep(StepPart):
-    def __init__(self, parts: list, spec: ModelSpec, dims: ParallelDims, layers: list[int], n_experts: int, device):
-        self.parts, self.spec, self.dims = parts, spec, dims
+    def __init__(self, model_parts: list, spec: ModelSpec, dims: ParallelDims, layers: list[int], n_experts: int,
+                 device):
+        self.model_parts, self.spec, self.dims = model_parts, spec, dims
         self.stats = MoEStats(layers, n_experts, device, dims.ep)
 
     def after_backward(self, step: int) -> None:
-        sum_grads_over_tp(self.parts, self.dims)
+        sum_grads_over_tp(self.model_parts, self.dims)
 
     def before_optimizer_step(self, step: int, skipped: torch.Tensor, microbatches: int) -> None:
-        update_expert_biases(self.parts, microbatches, skip=skipped)
-        self.stats.collect(self.parts, self.spec, microbatches)
+        update_expert_biases(self.model_parts, microbatches, skip=skipped)
+        self.stats.collect(self.model_parts, self.spec, microbatches)
 
     def record(self) -> dict:
         return self.stats.report(layer_copies=self.dims.world_size // self.dims.pp)

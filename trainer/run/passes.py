@@ -16,20 +16,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 from trainer.models.head import IGNORE_INDEX, sum_token_losses
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import reshard
 from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
 
 
-def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, parts: list[nn.Module],
+def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, model_parts: list[nn.Module],
                   stages: list[int], mark=lambda phase: None):
     """The forward and backward of one optimizer step, and the forward only (validation): each maps
     this rank's microbatches and a supervised_scale to its share of the step's loss (0 on
     pipeline ranks without the last stage). The model computes the sum of its token losses itself,
     given the labels (its LMHead). `mark` is told each phase the step enters (the watchdog's)."""
-    for part in parts:
+    for part in model_parts:
         sum_token_losses(part)
     pp_group = dims.view("pp").get_group() if dims.pp_enabled else None
     owners = stage_owners(dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)
@@ -38,15 +38,15 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
     def eval_fn(microbatches: list, scale: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for inputs, labels, positions in microbatches:
-            loss = forward_only(parts, stages, owners, pp_rank, pp_group, inputs.to(device), positions.to(device),
+            loss = forward_only(model_parts, stages, owners, pp_rank, pp_group, inputs.to(device), positions.to(device),
                                 labels.to(device))
             if loss is not None:
                 total += loss * scale
-        reshard(parts)
+        reshard(model_parts)
         return total
 
     if not dims.pp_enabled:
-        return partial(train_step, parts[0], device=device, mark=mark), eval_fn
+        return partial(forward_backward, model_parts[0], device=device, mark=mark), eval_fn
     # Accumulation steps are more microbatches of one schedule run: FSDP gathers and reduce-scatters
     # once a step, and the pipeline fills and drains once.
     n_microbatches = dims.grad_accum_steps * dims.pp_microbatches
@@ -58,7 +58,7 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, part
         return loss.sum() * this_step["scale"]
 
     n_stages = dims.pp * dims.pp_stages_per_rank
-    schedule = build_schedule(job.parallel.pp_schedule, parts, stages, n_stages, pp_group, device,
+    schedule = build_schedule(job.parallel.pp_schedule, model_parts, stages, n_stages, pp_group, device,
                               n_microbatches, loss_fn)
 
     def step(microbatches: list, scale: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def supervised_scale(count: torch.Tensor, ranks: int) -> torch.Tensor:
     return (ranks / count.clamp(min=1)).float()
 
 
-def train_step(model, microbatches: list, scale: torch.Tensor, *, device: torch.device, mark) -> torch.Tensor:
+def forward_backward(model, microbatches: list, scale: torch.Tensor, *, device: torch.device, mark) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns their scaled loss."""
     total = torch.zeros((), device=device)
     for i, (inputs, labels, positions) in enumerate(microbatches):
@@ -106,7 +106,7 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, first: 
     """One schedule run over the step's microbatches (the accumulation steps' together, in order):
     the schedule cuts them into pipeline microbatches and (on the last stage) records each one's
     already scaled loss, so they sum to the step's."""
-    inputs, labels, positions = (torch.cat(parts) for parts in zip(*microbatches))
+    inputs, labels, positions = (torch.cat(pieces) for pieces in zip(*microbatches))
     losses: list[torch.Tensor] = []
     args = (inputs.to(device),) if first else ()
     mark("forward and backward (pipeline schedule)")

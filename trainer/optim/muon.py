@@ -5,7 +5,7 @@ Muon (Keller Jordan's, as torch.optim.Muon writes it): a momentum buffer per mat
 its Nesterov blend with the gradient, orthogonalised by a quintic Newton-Schulz iteration (each
 singular value moved towards 1), then scaled so its RMS matches what AdamW's update would have
 (Moonlight's rule, 0.2 x sqrt(max(rows, cols)): a run's AdamW learning rate and weight decay carry
-over). Matrices are orthogonalised whole wherever they are sharded (trainer/muon_exchange.py).
+over). Matrices are orthogonalised whole wherever they are sharded (trainer/optim/muon_exchange.py).
 The embedding, the output head, the norms, biases and the routers take AdamW, as in Moonlight.
 
 A skipped step (the trainer's `found_inf`, set on the device) leaves weights and momentum as they
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim.adam import adam
 
-from trainer.muon_exchange import MatrixExchange
+from trainer.optim.muon_exchange import MatrixExchange
 from trainer.tensors import local_tensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Keller Jordan's Muon and torch.optim.Muon

@@ -11,32 +11,33 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from trainer.build import build_model_parts, build_options
 from trainer.checkpoint import Checkpointer, TrainState
-from trainer.config import CheckpointConfig, JobConfig
+from trainer.config.schema import CheckpointConfig, JobConfig
 from trainer.data.microbatches import StepData
-from trainer.describe import describe_layout, describe_share
-from trainer.fault_injection import FaultInjection
-from trainer.fault_tolerance import OneGroup, ReplicaGroups
+from trainer.faults.guards import StepGuard
+from trainer.faults.injection import FaultInjection
+from trainer.faults.tolerance import OneGroup, ReplicaGroups
+from trainer.faults.watchdog import Watchdog
 from trainer.float8 import Float8Scales, float8_of, gathers_in_float8
 from trainer.float8 import describe as describe_float8
-from trainer.guards import StepGuard
-from trainer.health import RankHealth
-from trainer.loop import Trainer, resume
-from trainer.measured_memory import MemoryFigures
-from trainer.memory_snapshot import MemorySnapshot, known_tensors
-from trainer.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
 from trainer.models import family
 from trainer.models.moe_config import n_experts
-from trainer.moe_upkeep import MoEUpkeep
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.observe.describe import describe_layout, describe_share
+from trainer.observe.health import RankHealth
+from trainer.observe.memory import MemoryFigures
+from trainer.observe.memory_snapshot import MemorySnapshot, known_tensors
+from trainer.observe.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
+from trainer.observe.profiler import StepProfiler
+from trainer.optim.build import build_optimizer
+from trainer.optim.schedule import build_scheduler
+from trainer.parallel.build import build_model_parts, build_options
 from trainer.parallel.dims import ParallelDims
-from trainer.parts import StepParts
-from trainer.profiler import StepProfiler
-from trainer.steps import make_step_fns
-from trainer.stop import StopRequest
+from trainer.run.loop import Trainer, resume
+from trainer.run.moe_upkeep import MoEUpkeep
+from trainer.run.passes import make_step_fns
+from trainer.run.stop import StopRequest
+from trainer.step_parts import StepParts
 from trainer.tensors import local_tensor
-from trainer.watchdog import Watchdog
 
 
 def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: CheckpointConfig,
@@ -99,12 +100,12 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
                                          watchdog.phase)
         trainer.replicas.set_step(step)
     health = health_check(job, dims, device, trainer.stop.group, log)
-    trainer.parts = StepParts(step_parts(job, dims, device, model, model_parts, optimizer, watchdog, health, faults,
-                                         step))
+    trainer.step_parts = StepParts(build_step_parts(job, dims, device, model, model_parts, optimizer, watchdog,
+                                                    health, faults, step))
     return trainer
 
 
-def step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module, model_parts: list,
+def build_step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module, model_parts: list,
                optimizer, watchdog: Watchdog, health: RankHealth | None, faults: FaultInjection | None,
                step: int) -> list:
     """The features acting around the step, in the order their hooks run: the allocator's recorder

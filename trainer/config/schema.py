@@ -1,5 +1,5 @@
 """The configuration schema: every key, its type and default (registered with Hydra by
-trainer/config_files.py)."""
+trainer/config/files.py)."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ class TrainingConfig:
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     compile: bool = False
-    # On the CPU, large freed blocks stay in the process for reuse (see trainer/allocator.py).
+    # On the CPU, large freed blocks stay in the process for reuse (see trainer/run/allocator.py).
     cpu_reuse_memory: bool = True
     # none | full | selective; under full, every Nth block is checkpointed (1: every block).
     activation_checkpoint: str = "none"
@@ -243,7 +243,7 @@ class MetricsConfig:
     memory_snapshot_step: Optional[int] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
-    # Straggler detection (trainer/health.py): every `health_every` steps (null: never) the ranks'
+    # Straggler detection (trainer/observe/health.py): every `health_every` steps (null: never) the ranks'
     # phase times over the last `slow_rank_window` steps are compared; a rank whose step would take
     # more than `slow_rank_threshold` times the median rank's is named.
     health_every: Optional[int] = 5

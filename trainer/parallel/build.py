@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.config import Float8Config, JobConfig, ModelConfig
+from trainer.config.schema import Float8Config, JobConfig, ModelConfig
 from trainer.float8 import convert as convert_float8
 from trainer.float8 import float8_of, gathers_in_float8
 from trainer.models import build_model, family, init_weights, materialize

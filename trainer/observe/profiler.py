@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from trainer.parts import StepPart
+from trainer.step_parts import StepPart
 
 
 class StepProfiler(StepPart):

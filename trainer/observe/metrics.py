@@ -10,7 +10,7 @@ import torch
 
 from trainer.hardware import cuda_peak_tflops, measure_cpu_tflops
 from trainer.models import family
-from trainer.summary import duration
+from trainer.observe.summary import duration
 
 
 def flops_per_token(model, seq_len: int) -> float:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.config import FaultToleranceConfig, JobConfig
+from trainer.config.schema import FaultToleranceConfig, JobConfig
 from trainer.errors import ConfigError
 from trainer.float8 import plain
 from trainer.tensors import local_tensor

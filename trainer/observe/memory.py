@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from trainer.parts import StepPart
+from trainer.step_parts import StepPart
 
 GIB = 2**30
 # Steps the CPU's count runs for: the second holds all a step ever holds (the optimizer's state

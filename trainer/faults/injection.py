@@ -33,8 +33,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.models.head import IGNORE_INDEX
-from trainer.parts import StepPart
-from trainer.stop import StopRequest
+from trainer.step_parts import StepPart
 from trainer.tensors import local_tensor
 
 KINDS = {"nan_grad", "garbage_batch", "hang", "pause", "kill", "kill_save", "slow", "slow_data"}
@@ -42,7 +41,8 @@ PAUSE_S = 600  # the longest a `pause` waits for the stop
 
 
 class FaultInjection(StepPart):
-    def __init__(self, spec: str, rank: int, output_dir: str, parameters=(), stop: StopRequest | None = None):
+    def __init__(self, spec: str, rank: int, output_dir: str, parameters=(), stop=None):
+        # stop: the run's StopRequest, what a `pause` waits for
         self.rank, self.fired, self.parameters, self.stop = rank, Path(output_dir, "faults"), parameters, stop
         self.steps: dict[str, set[int]] = {}
         self.compute_s = 0.0  # this rank's last forward and backward, CPU seconds (what `slow` adds again)
@@ -56,7 +56,7 @@ class FaultInjection(StepPart):
                 self.steps.setdefault(kind, set()).add(int(step))
 
     @classmethod
-    def from_env(cls, rank: int, output_dir: str, parameters, stop: StopRequest) -> FaultInjection | None:
+    def from_env(cls, rank: int, output_dir: str, parameters, stop) -> FaultInjection | None:
         """The faults TRAINER_FAULTS asks of this rank; None when it is unset."""
         spec = os.environ.get("TRAINER_FAULTS", "")
         return cls(spec, rank, output_dir, parameters, stop) if spec else None

@@ -1,6 +1,6 @@
 """One rank's step loop (`fit`): batch, forward and backward (or the pipeline schedule), reduce, clip,
-guard, optimizer step, then log and save. Its pieces are built by `trainer.setup.build_trainer`; the
-features that act around the step are parts (`trainer/parts.py`) it calls at fixed points."""
+guard, optimizer step, then log and save. Its pieces are built by `trainer.run.setup.build_trainer`; the
+features that act around the step are parts (`trainer/step_parts.py`) it calls at fixed points."""
 
 from __future__ import annotations
 
@@ -16,20 +16,21 @@ from torch import nn
 
 from trainer.checkpoint import Checkpointer, TrainState, restore, roll_back
 from trainer.checkpoint.folders import checkpoint_steps
-from trainer.config import CheckpointConfig, JobConfig
+from trainer.config.schema import CheckpointConfig, JobConfig
 from trainer.data.microbatches import StepData
-from trainer.describe import describe_layout
 from trainer.distributed import restart_count
-from trainer.fault_tolerance import OneGroup
-from trainer.guards import StepGuard, check_finite
-from trainer.metrics import MetricsLogger, Throughput
-from trainer.optim import build_scheduler, clip_and_sum_loss_
+from trainer.faults.guards import StepGuard, check_finite
+from trainer.faults.tolerance import OneGroup
+from trainer.faults.watchdog import Watchdog
+from trainer.observe.describe import describe_layout
+from trainer.observe.metrics import MetricsLogger, Throughput
+from trainer.observe.summary import rank_peaks, summary_lines
+from trainer.optim.clipping import clip_and_sum_loss_
+from trainer.optim.schedule import build_scheduler
 from trainer.parallel.dims import ParallelDims
-from trainer.parts import StepPart, StepParts
-from trainer.steps import job_loss, supervised_count, supervised_scale
-from trainer.stop import StopRequest
-from trainer.summary import rank_peaks, summary_lines
-from trainer.watchdog import Watchdog
+from trainer.run.passes import job_loss, supervised_count, supervised_scale
+from trainer.run.stop import StopRequest
+from trainer.step_parts import StepPart, StepParts
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Trainer:
     param_mib: float
     predicted: float | None  # the plan's peak bytes of tensors, said beside the measured one once
     deferred_resume: CheckpointConfig | None  # under fault tolerance: resumed at the first quorum
-    parts: StepPart = field(default_factory=lambda: StepParts([]))
+    step_parts: StepPart = field(default_factory=lambda: StepParts([]))
 
     def __post_init__(self):
         self.training = self.job.training
@@ -81,9 +82,9 @@ class Trainer:
                 break
             self.step += 1
             first = first or self.step
-            self.parts.start_step(self.step)
+            self.step_parts.start_step(self.step)
             result = self.train_step(self.data.train(self.step - 1, shares))
-            self.parts.after_step(self.step)
+            self.step_parts.after_step(self.step)
             if result is None:  # a replica group failed during the step: trained again by the quorum left
                 self.step -= 1
                 continue
@@ -98,7 +99,7 @@ class Trainer:
         them per replica share, each round accumulating into the gradients) -> (this rank's loss, the
         gradient norm, the lr); None when the replica groups did not all finish the step."""
         step, parameters = self.step, self.model.parameters
-        self.parts.before_forward(step)
+        self.step_parts.before_forward(step)
         # The supervised tokens of the whole global batch (every replica share's), before any forward.
         self.watchdog.phase("counting the supervised tokens")
         counts = [supervised_count(microbatches, self.dims, self.device) for microbatches in rounds]
@@ -108,11 +109,11 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for microbatches in rounds:
             loss = loss + self.step_fn(microbatches, scale)
-        self.parts.after_backward(step)
+        self.step_parts.after_backward(step)
         loss = self.replicas.reduce(parameters(), loss)
         grad_norm, loss_sum = clip_and_sum_loss_(parameters(), self.training.max_norm, loss)
         skip = self.guard.check(step, loss_sum / self.loss_holders, grad_norm)
-        self.parts.before_optimizer_step(step, skip, self.microbatches * len(rounds))
+        self.step_parts.before_optimizer_step(step, skip, self.microbatches * len(rounds))
         lr = self.scheduler.get_last_lr()[0]
         # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
         self.optimizer.found_inf = skip
@@ -171,7 +172,7 @@ class Trainer:
         record |= {
             "tokens_per_s": throughput["tokens_per_s"],
             "mfu": throughput["mfu"],
-            **self.parts.record(),
+            **self.step_parts.record(),
             "param_mib": self.param_mib,
             "elapsed_s": throughput["elapsed_s"],
             "eta_s": throughput["eta_s"],
@@ -243,7 +244,7 @@ class Trainer:
         skipped = int(self.guard.skipped.item())
         self.stop.close()
         self.watchdog.slow("finishing")
-        self.parts.close()
+        self.step_parts.close()
         if self.training.compile:
             self.log(f"compile: {compiled_graphs()} graphs compiled")
         self.data.close()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.distributed import gather_floats
-from trainer.parts import StepPart
+from trainer.step_parts import StepPart
 
 PHASES = ("data", "forward_backward", "optimizer")
 

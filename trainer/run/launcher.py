@@ -31,7 +31,7 @@ from pathlib import Path
 
 from trainer.errors import ConfigError
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # (trainer.stop's)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # (trainer.run.stop's)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,7 +91,7 @@ def children(pid: int) -> list[int]:
 
 def _agent_signals() -> None:
     """In torchrun's process, before it starts: the stop signals ignored (this process passes them to
-    the ranks, which take them again: trainer.stop.default_signals), and SIGHUP when this process
+    the ranks, which take them again: trainer.run.stop.default_signals), and SIGHUP when this process
     dies, however it dies (Linux's prctl; elsewhere nothing), so torchrun stops its ranks rather than
     outliving its launcher."""
     for sig in STOP_SIGNALS:
@@ -121,17 +121,17 @@ def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1
     layout every rank would choose (`local_ranks` of them on each node), and its checks."""
     if any(arg.startswith("-") for arg in overrides):
         return  # Hydra's own flags (--cfg job, --help): train.py prints, it does not run
+    from trainer.checks.job import check_config
+    from trainer.checks.overrides import compose_job
     from trainer.models import import_modules
-    from trainer.overrides import compose_job
-    from trainer.rules import check_config
 
     job = compose_job(overrides)
     import_modules(job.imports)
     if world is None:
         return
     if job.parallel.auto:  # in a process of its own: a GPU's figures would start CUDA in this long-lived one
-        from trainer.job import in_own_process
         from trainer.plan.search import apply_overrides
+        from trainer.run.job import in_own_process
 
         job = apply_overrides(job, in_own_process(_auto_layout, job, world, local_ranks, overrides))
     check_config(job, world)

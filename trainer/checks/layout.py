@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import ModelConfig, ParallelConfig, TrainingConfig
+from trainer.config.schema import ModelConfig, ParallelConfig, TrainingConfig
 from trainer.errors import ConfigError
 from trainer.models import family
 from trainer.models.moe_config import n_experts

@@ -3,10 +3,10 @@ the key, its value and the range."""
 
 from __future__ import annotations
 
-from trainer.config import JobConfig
+from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.float8 import RECIPES as FLOAT8_RECIPES
-from trainer.muon import NS_DTYPES, RMS_RULES
+from trainer.optim.muon import NS_DTYPES, RMS_RULES
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
 from trainer.tensors import DTYPES

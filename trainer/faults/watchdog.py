@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainer.parts import StepPart
+from trainer.step_parts import StepPart
 
 EXIT_STATUS = 3  # a rank the watchdog stopped; different from a Python error's 1
 # Every rank of a hung job fires within a short time of the others; each waits this long after

@@ -1,5 +1,5 @@
 """The training job on each rank: the config checked (before any rank works), the process group joined,
-then trainer/setup.py builds the Trainer (trainer/loop.py), which runs the step loop."""
+then trainer/run/setup.py builds the Trainer (trainer/run/loop.py), which runs the step loop."""
 
 from __future__ import annotations
 
@@ -13,25 +13,25 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.allocator import reuse_freed_memory
 from trainer.checkpoint.rerun import check_rerun
 from trainer.checkpoint.tokenizer_files import resolve_tokenizer
-from trainer.config import JobConfig
+from trainer.checks.job import check_config
+from trainer.checks.overrides import command_line, job_config
+from trainer.config.schema import JobConfig
 from trainer.data import build_dataset
+from trainer.data.tokenizer import is_bytes
 from trainer.distributed import init_distributed, resolve_device, shutdown, world_size
 from trainer.errors import ConfigError, TrainingStopped
-from trainer.fault_tolerance import check_lighthouse, group_output_dir, group_view
-from trainer.output import OutputLock, check_writable
-from trainer.overrides import command_line, job_config
+from trainer.faults.tolerance import check_lighthouse, group_output_dir, group_view
+from trainer.faults.watchdog import Watchdog, enable_flight_recorder
 from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
 from trainer.plan.auto import auto_device, calibration_note, choose_layout, pinned_keys
 from trainer.plan.devices import local_device
 from trainer.plan.search import apply_overrides
-from trainer.rules import check_config
-from trainer.setup import build_trainer
-from trainer.tokenizer import is_bytes
-from trainer.watchdog import Watchdog, enable_flight_recorder
+from trainer.run.allocator import reuse_freed_memory
+from trainer.run.output import OutputLock, check_writable
+from trainer.run.setup import build_trainer
 
 
 def build_datasets(job: JobConfig):

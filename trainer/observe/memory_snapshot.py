@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.parts import StepPart
+from trainer.step_parts import StepPart
 from trainer.tensors import local_tensor
 
 GIB = 2**30

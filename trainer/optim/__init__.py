@@ -1,0 +1,1 @@
+"""Optimizers (AdamW, Muon), the learning-rate schedule and gradient clipping."""
