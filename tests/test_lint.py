@@ -74,3 +74,17 @@ def test_the_rooms_import_downward_and_no_module_imports_itself_round():
 
     for name in sorted(graph):
         visit(name)
+
+
+LONGEST_FUNCTION = 60  # lines, decorators and docstring included
+
+
+def test_no_function_of_the_package_is_longer_than_a_reader_can_hold():
+    long = []
+    for path in sorted((REPO / "trainer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

@@ -118,6 +118,18 @@ def saved_activations(costs: Costs, s: Shapes, blocks: list[int], n_stages: int,
     return in_flight * per_stage + recomputed  # one block recomputed at a time
 
 
+def gathered_at_backward(units: list, per_element: dict, schedule: str | None) -> float:
+    """Bytes of gathered parameters held at the start of backward (`units` largest first)."""
+    if schedule is not None:
+        # Under pipeline parallel a stage keeps its parameters gathered from forward to backward.
+        return sum(u.gathered * per_element[u.name] for u in units)
+    # The head (and a root holding tied weights) stays gathered, and a block computes while the next
+    # is gathered. The embedding was resharded after forward.
+    kept = sum(u.gathered * per_element[u.name] for u in units if u.name in ("head", "root"))
+    blocks = [u.gathered * per_element[u.name] for u in units if u.name not in ("embedding", "head", "root")]
+    return kept + sum(blocks[:2])
+
+
 def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
                 param_bytes: int, has_loss: bool, selective_policy: str = "half_mm",
@@ -134,16 +146,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0
                  for u in units}
     per_element = {u.name: gathered_bytes_per_element(param_bytes, in_float8[u.name], float8) for u in units}
-    if schedule is not None:
-        # Under pipeline parallel a stage keeps its parameters gathered from forward to backward.
-        gathered = sum(u.gathered * per_element[u.name] for u in units)
-    else:
-        # At the start of backward: the head (and a root holding tied weights) stays gathered, and a
-        # block computes while the next is gathered. The embedding was resharded after forward.
-        kept = sum(u.gathered * per_element[u.name] for u in units if u.name in ("head", "root"))
-        blocks = [u.gathered * per_element[u.name] for u in units if u.name not in edges]
-        gathered = kept + sum(blocks[:2])
-
+    gathered = gathered_at_backward(units, per_element, schedule)
     blocks = [i for stage in stages for i in stage.blocks]
     in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
     saved = saved_activations(costs, s, blocks, len(stages), in_flight, activation_checkpoint, checkpointed_share,

@@ -76,12 +76,7 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     if rank == 0 and step < t.steps:  # a finished run's config stays as it trained
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
 
-    checkpointer = None
-    if checkpoint.enabled:
-        checkpointer = Checkpointer(checkpoint_dir, checkpoint.interval, checkpoint.keep_last, checkpoint.async_save,
-                                    config["model"], device, job.data.tokenizer)
-        if faults is not None:
-            checkpointer.before_publish = partial(faults.hang_or_kill, "kill_save")
+    checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config["model"], device, job.data.tokenizer, faults)
     peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None  # only rank 0 logs mfu
     trainer = Trainer(
         job=job, dims=dims, device=device, log=log, model=model, model_parts=model_parts, step_fn=step_fn,
@@ -103,6 +98,18 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     trainer.step_parts = StepParts(build_step_parts(job, dims, device, model, model_parts, optimizer, watchdog,
                                                     health, faults, step))
     return trainer
+
+
+def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, model_config: dict, device: torch.device,
+                       tokenizer: str, faults: FaultInjection | None) -> Checkpointer | None:
+    """The checkpointer (None with checkpoint.enabled=false); a `kill_save` fault fires before it publishes."""
+    if not checkpoint.enabled:
+        return None
+    checkpointer = Checkpointer(checkpoint_dir, checkpoint.interval, checkpoint.keep_last, checkpoint.async_save,
+                                model_config, device, tokenizer)
+    if faults is not None:
+        checkpointer.before_publish = partial(faults.hang_or_kill, "kill_save")
+    return checkpointer
 
 
 def build_step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module, model_parts: list,
