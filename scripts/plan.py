@@ -164,6 +164,7 @@ def print_ranking(rows: list[dict]) -> None:
 
 
 def format_plan(plan, job) -> str:
+    from trainer.optim.spec import optimizer_of
     from trainer.plan import GIB
 
     d = plan.dims
@@ -193,9 +194,9 @@ def format_plan(plan, job) -> str:
         f"cp {tm.cp_s:.2f}, ep {tm.ep_s:.2f}, pp {tm.pp_s:.2f}, bubble {100 * tm.bubble:.0f}%)",
         f"{plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%",
     ]
-    if job.optim.name == "muon":
-        lines.append(f"Muon: {tm.optimizer_s:.2f} s of the step ({100 * tm.optimizer_s / tm.step_s:.1f}%: the "
-                     f"Newton-Schulz iterations and the exchange of matrix pieces), in the step above")
+    if tm.optimizer_s:
+        lines.append(f"optimizer: {tm.optimizer_s:.2f} s of the step ({100 * tm.optimizer_s / tm.step_s:.1f}%: "
+                     f"{optimizer_of(job.optim).step_work}), in the step above")
     return "\n".join(lines)
 
 

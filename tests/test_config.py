@@ -80,9 +80,13 @@ def test_unknown_keys_are_refused_even_with_plus_and_near_ones_named():
     # The section and the name each alike (not the whole string: val.path was data.path), and a known
     # name under another section first.
     for typed, meant in (("val.path", "validation.path"), ("validaton.pth", "validation.path"),
-                         ("optim.lr", "training.lr"), ("training.lr_rate", "training.lr")):
+                         ("training.lr_rate", "training.lr")):
         with pytest.raises(ConfigError, match=rf"^{typed} is not a config key; did you mean {meant}\?"):
             check_overrides([f"{typed}=1"])
+    # An optim key is its optimizer's, checked once composed: the same suggestion
+    with pytest.raises(ConfigError, match=r"^optim.lr is not a config key \(of optim.name=adamw\); did you mean "
+                                          r"training.lr\?"):
+        compose_job(["optim.lr=1"])
     # Nested sections, a list of mappings, Hydra's own keys and flags pass.
     check_overrides(["model.rope_scaling.factor=2", "metrics.wandb.enabled=true", "checkpoint.async_save=true",
                      "training.spike.threshold=3", "data.mix=[]", "imports=[x]", "hydra.run.dir=.", "--cfg", "job",

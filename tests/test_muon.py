@@ -10,10 +10,9 @@ import torch.distributed as dist
 from helpers import spawn
 from torch import nn
 
-from trainer.config.schema import OptimConfig
 from trainer.models import build_model, family
 from trainer.optim.build import build_optimizer
-from trainer.optim.muon import orthogonalize
+from trainer.optim.muon import MuonConfig, orthogonalize
 
 
 def matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -61,7 +60,7 @@ def block_model(*shapes: tuple[int, int]) -> nn.Module:
 
 
 def muon_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0, **keys) -> torch.optim.Optimizer:
-    optim = OptimConfig(name="muon", ns_dtype="float32", **keys)
+    optim = MuonConfig(name="muon", ns_dtype="float32", **keys)
     return build_optimizer(model, optim, lr, weight_decay, family("llama"))
 
 
@@ -104,7 +103,7 @@ def test_one_process_matches_torch_muon_and_adamw():
     config = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128,
               "ffn_dim": 192}
     start, ours_model, torch_model = (build_model(config) for _ in range(3))
-    optim = OptimConfig(name="muon", ns_dtype="bfloat16")
+    optim = MuonConfig(name="muon", ns_dtype="bfloat16")
     ours = build_optimizer(ours_model, optim, lr, wd, family("llama"))
     matrices = [p for name, p in torch_model.named_parameters() if name.startswith("layers.")
                 and p.ndim == 2]

@@ -66,3 +66,18 @@ def test_more_steps_on_a_resumed_run_says_how_the_schedule_changes(tmp_path):
     assert check_rerun(longer, resume, str(tmp_path)) == (
         "schedule: training.steps 10 -> 20 re-plans the cosine decay to end at step 20: the learning rate after "
         "the newest checkpoint (step 6) goes from 0.00055 (as planned) to 0.000895")
+
+
+def test_a_run_saved_before_the_optimizers_had_keys_of_their_own_resumes(tmp_path):
+    """Every optim section held Muon's keys; an AdamW run's config.yaml with them at their defaults
+    resumes as before, and one trained with another optimizer cannot."""
+    model = build_model("llama_debug", seed=0)
+    save_weights(model.config, dict(model.state_dict()), tmp_path / "checkpoints" / "step_2")
+    earlier = {"name": "adamw", "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "min_lr_ratio": 0.1, "momentum": 0.95,
+               "nesterov": True, "ns_steps": 5, "ns_dtype": "auto", "muon": {"rms_match": "match_rms_adamw"}}
+    OmegaConf.save(OmegaConf.create({"optim": earlier}), tmp_path / "config.yaml")
+    resume = CheckpointConfig(enabled=True)
+    assert check_rerun({"optim": {"name": "adamw", "min_lr_ratio": 0.1}}, resume, str(tmp_path)) is None
+    with pytest.raises(ConfigError, match=r"holds checkpoints trained with optim.name=adamw, whose optimizer state "
+                                          r"optim.name=muon cannot take; choose another output_dir"):
+        check_rerun({"optim": {"name": "muon"}}, resume, str(tmp_path))

@@ -13,6 +13,7 @@ from trainer.config.schema import CheckpointConfig, JobConfig, ModelConfig, shap
 from trainer.errors import ConfigError
 from trainer.models import model_config
 from trainer.optim.schedule import lr_lambda
+from trainer.optim.spec import optimizer_config, state_change
 
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size", "training.lr",
                  "training.warmup_steps", "training.weight_decay", "training.max_norm", "training.seed",
@@ -42,11 +43,10 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
                           f"({', '.join(c for c in changed if c.startswith(shape))}), which cannot be "
                           f"resumed with this one; choose another output_dir (checkpoint.initial=... takes "
                           f"weights of the same shape only)")
-    if saved.get("optim.name") != now.get("optim.name"):  # AdamW's moments are not Muon's momentum
-        raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with optim.name="
-                          f"{saved.get('optim.name')}, whose optimizer state optim.name={now.get('optim.name')} "
-                          f"cannot take; choose another "
-                          f"output_dir and start from their weights with checkpoint.initial="
+    change = state_change(saved, now)
+    if change is not None:
+        raise ConfigError(f"output_dir={output_dir} holds checkpoints {change}; choose another output_dir and start "
+                          f"from their weights with checkpoint.initial="
                           f"{Path(output_dir) / 'checkpoints' / f'step_{steps[-1]}'}")
     if changed and not checkpoint.allow_config_change:
         raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with other settings "
@@ -69,8 +69,15 @@ def _schedule_change(saved: dict, now: dict, step: int) -> str | None:
 
 
 def _read(config: dict) -> tuple[dict, ModelConfig | None]:
-    """A config flattened (see _flat) with its model section whole, as this version reads it (a
-    config.yaml of an earlier one holds keys no family declares now); and its model."""
+    """A config flattened (see _flat) with its model and optim sections whole, as this version reads
+    them (a config.yaml of an earlier one holds keys no family or optimizer declares now); and its
+    model."""
+    if "optim" in config:
+        try:
+            optim = optimizer_config(OmegaConf.create(config["optim"]))
+            config = {**config, "optim": OmegaConf.to_container(OmegaConf.structured(optim))}
+        except ConfigError:  # an optimizer this run does not know: the optimizer's change says so
+            pass
     if "model" not in config:
         return _flat(config), None
     model = model_config(config["model"])

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config.files import BROKEN_RECIPES, CONFIG_DIR, RECIPE_DIR, register_configs, yaml_error
-from trainer.config.keys import group_keys, schema_keys, wanted
-from trainer.config.schema import JobConfig, ModelConfig
+from trainer.config.keys import group_keys, nearest_key, schema_keys, wanted
+from trainer.config.schema import JobConfig, ModelConfig, OptimConfig
 from trainer.errors import ConfigError
 
 GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
@@ -56,7 +56,6 @@ def compose_job(overrides: list[str]) -> JobConfig:
     import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
     overrides, _ = renamed(overrides)
@@ -82,17 +81,20 @@ def command_line() -> list[str]:
 
 def job_config(cfg: DictConfig) -> JobConfig:
     """The composed config `cfg` as a JobConfig, its model section an instance of its family's config
-    class (trainer.models.model_config); the modules of `imports` are imported first, as a family
-    defined outside trainer/ registers there."""
+    class (trainer.models.model_config), its optim section of its optimizer's (trainer.optim.spec.optimizer_config); the
+    modules of `imports` are imported first, as a family or optimizer defined outside trainer/
+    registers there."""
     from trainer.models import import_modules, model_config
+    from trainer.optim.spec import optimizer_config
 
     import_modules(list(cfg.imports))
-    model = model_config(cfg.model)
+    model, optim = model_config(cfg.model), optimizer_config(cfg.optim)
     rest = copy.deepcopy(cfg)
-    shared = {f.name for f in dataclasses.fields(ModelConfig)}
-    for key in [k for k in rest.model if k not in shared]:
-        del rest.model[key]
-    return dataclasses.replace(OmegaConf.to_object(rest), model=model)
+    for section, cls in (("model", ModelConfig), ("optim", OptimConfig)):
+        shared = {f.name for f in dataclasses.fields(cls)}
+        for key in [k for k in rest[section] if k not in shared]:
+            del rest[section][key]
+    return dataclasses.replace(OmegaConf.to_object(rest), model=model, optim=optim)
 
 
 def _composition_message(e: Exception) -> str:
@@ -125,28 +127,10 @@ def _check_choice(group: str, name: str) -> None:
 
 def _check_key(key: str, keys: set[str]) -> None:
     # A key inside a list of mappings (data.mix[0].weight) is checked up to its list. A model key the
-    # shared schema lacks is its family's to judge, once the config is composed (job_config).
-    if key.split("[")[0] in keys or key.startswith("model."):
+    # shared schema lacks is its family's to judge, an optim key its optimizer's, once the config is
+    # composed (job_config).
+    if key.split("[")[0] in keys or key.startswith(("model.", "optim.")):
         return
     near = nearest_key(key, keys)
     hint = f"; did you mean {near}?" if near else "; see `python train.py --cfg job` for every key"
     raise ConfigError(f"{key} is not a config key{hint}")
-
-
-def nearest_key(key: str, keys: set[str]) -> str | None:
-    """The known key most like `key`, as a whole or its section and its name each alike, one of the
-    same name first: `val.path` is validation.path (the whole string alone made it data.path),
-    `optim.lr` training.lr. None when none is near."""
-    section, _, name = key.rpartition(".")
-
-    def likeness(known: str) -> float:  # (0..2)
-        known_section, _, known_name = known.rpartition(".")
-        parts = (difflib.SequenceMatcher(None, section, known_section).ratio()
-                 + difflib.SequenceMatcher(None, name, known_name).ratio())
-        return max(parts, 2 * difflib.SequenceMatcher(None, key, known).ratio())
-
-    candidates = sorted(k for k in keys if not key.startswith(k + "."))  # (not its own section)
-    # A known name under another section (optim.lr: training.lr) before any other.
-    same_name = [k for k in candidates if k.rpartition(".")[2] == name]
-    best = max(same_name or candidates, key=likeness)
-    return best if likeness(best) >= 1.2 else None

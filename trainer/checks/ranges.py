@@ -6,7 +6,7 @@ from __future__ import annotations
 from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.float8 import RECIPES as FLOAT8_RECIPES
-from trainer.optim.muon import NS_DTYPES, RMS_RULES
+from trainer.optim.spec import optimizer_of
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
 from trainer.tensors import DTYPES
@@ -58,11 +58,6 @@ RANGES = {
     "training.spike.decay": ("must be between 0 and 1", lambda value: 0 < value < 1),
     "training.spike.warmup_steps": ("must be >= 1", _at_least_one),
     "device": ("is unknown; choose auto, cpu or cuda", lambda value: value in ("auto", "cpu", "cuda")),
-    "optim.name": ("is unknown; choose adamw or muon", lambda value: value in ("adamw", "muon")),
-    "optim.momentum": ("must be in [0, 1)", lambda value: 0 <= value < 1),
-    "optim.ns_steps": ("must be >= 1", _at_least_one),
-    "optim.ns_dtype": _one_of(("auto", *NS_DTYPES)),
-    "optim.muon.rms_match": _one_of(RMS_RULES),
     "optim.beta1": ("must be in [0, 1)", lambda value: 0 <= value < 1),
     "optim.beta2": ("must be in [0, 1)", lambda value: 0 <= value < 1),
     "optim.eps": ("must be > 0", _positive),
@@ -91,7 +86,9 @@ def value_of(job: JobConfig, key: str):
 
 
 def check_ranges(job: JobConfig) -> None:
+    """The table's keys, then the optimizer's own (its spec's rules)."""
     for key, (rule, ok) in RANGES.items():
         value = value_of(job, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} {rule}")
+    optimizer_of(job.optim).check(job.optim)

@@ -30,9 +30,10 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("recipe_name", _recipe_name)
     cs = ConfigStore.instance()
     schema = OmegaConf.structured(JobConfig)
-    # The model section takes keys beyond the shared ones: its family's config class types and checks
-    # them once the config is composed (trainer.checks.overrides.job_config).
+    # The model and optim sections take keys beyond the shared ones: the family's or the optimizer's
+    # config class types and checks them once the config is composed (trainer.checks.overrides.job_config).
     OmegaConf.set_struct(schema.model, False)
+    OmegaConf.set_struct(schema.optim, False)
     cs.store(name="job_schema", node=schema)
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
         try:

@@ -4,6 +4,7 @@ a key holds, in words (for the lines that name a key)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 
 from trainer.config.schema import JobConfig
@@ -56,3 +57,22 @@ def _dataclass_of(hint):
     if typing.get_origin(hint) is typing.Union:
         return next((arg for arg in typing.get_args(hint) if dataclasses.is_dataclass(arg)), None)
     return None
+
+
+def nearest_key(key: str, keys: set[str]) -> str | None:
+    """The known key most like `key`, as a whole or its section and its name each alike, one of the
+    same name first: `val.path` is validation.path (the whole string alone made it data.path),
+    `optim.lr` training.lr. None when none is near."""
+    section, _, name = key.rpartition(".")
+
+    def likeness(known: str) -> float:  # (0..2)
+        known_section, _, known_name = known.rpartition(".")
+        parts = (difflib.SequenceMatcher(None, section, known_section).ratio()
+                 + difflib.SequenceMatcher(None, name, known_name).ratio())
+        return max(parts, 2 * difflib.SequenceMatcher(None, key, known).ratio())
+
+    candidates = sorted(k for k in keys if not key.startswith(k + "."))  # (not its own section)
+    # A known name under another section (optim.lr: training.lr) before any other.
+    same_name = [k for k in candidates if k.rpartition(".")[2] == name]
+    best = max(same_name or candidates, key=likeness)
+    return best if likeness(best) >= 1.2 else None

@@ -152,27 +152,16 @@ class TrainingConfig:
 
 
 @dataclass
-class MuonConfig:
-    # The update's scale: match_rms_adamw (0.2 x sqrt(max(rows, cols)): training.lr and weight_decay as
-    # for AdamW) | original (sqrt(max(1, rows / cols)): Keller Jordan's Muon, its own learning rate).
-    rms_match: str = "match_rms_adamw"
-
-
-@dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | muon (Muon for the blocks' weight matrices, AdamW for the rest)
+    """The keys every optimizer shares; one with keys of its own subclasses this (optim=muon:
+    trainer/optim/muon.py's MuonConfig), and its config class types the composed section."""
+
+    name: str = "adamw"  # a registered optimizer: adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     # The cosine schedule decays to lr * min_lr_ratio at the last step.
     min_lr_ratio: float = 0.1
-    # Muon's keys (optim=muon): momentum and Nesterov, the Newton-Schulz steps and their dtype (auto:
-    # bfloat16 on CUDA, float32 elsewhere).
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    ns_dtype: str = "auto"
-    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass

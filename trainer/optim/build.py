@@ -1,5 +1,4 @@
-"""The optimizer optim.name chooses: AdamW, or Muon for the blocks' matrices (trainer/optim/muon.py)
-with AdamW for the rest."""
+"""The optimizer optim.name selects, built over a model's parameters (trainer/optim/spec.py)."""
 
 from __future__ import annotations
 
@@ -9,35 +8,32 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.config.schema import OptimConfig
 from trainer.models.spec import ModelSpec
-from trainer.optim.muon import Muon, is_muon_matrix, ns_dtype
+from trainer.optim.spec import OptimizerInputs, optimizer_of
 
 
-def build_optimizer(model: nn.Module, optim, lr: float, weight_decay: float, spec: ModelSpec | None = None,
-                    group_of: Callable | None = None, device: torch.device | str = "cpu") -> torch.optim.Optimizer:
-    """optim.name's optimizer over `model`'s parameters. Muon needs the model's family (`spec`: which
-    parameters are block matrices) and, on several ranks, `group_of` (global ranks -> their process
-    group: ParallelDims.group_spanning)."""
+def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float, weight_decay: float,
+                    spec: ModelSpec | None = None, group_of: Callable | None = None,
+                    device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """optim.name's optimizer over `model`'s parameters. One that treats some parameters apart
+    (Muon: the block matrices) needs the model's family (`spec`) and, on several ranks,
+    `group_of` (global ranks -> their process group: ParallelDims.group_spanning)."""
+    chosen = optimizer_of(optim)
     named = list(model.named_parameters())
-    muon = [p for name, p in named if spec is not None and optim.name == "muon"
-            and is_muon_matrix(name, p, spec.blocks, spec.adamw_matrices)]
-    chosen = set(map(id, muon))
+    apart = [p for name, p in named if spec is not None and chosen.apart is not None and chosen.apart(name, p, spec)]
+    ids = set(map(id, apart))
     # Norm weights and other 1-D parameters are not decayed.
     groups = [
         {"params": params, "weight_decay": weight_decay if params[0].ndim >= 2 else 0.0}
         for decayed in (True, False)
-        for params in by_mesh([p for _, p in named if (p.ndim >= 2) == decayed and id(p) not in chosen])
+        for params in by_mesh([p for _, p in named if (p.ndim >= 2) == decayed and id(p) not in ids])
     ]
-    betas = (optim.beta1, optim.beta2)
-    if optim.name != "muon":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=optim.eps, fused=True)
-    return Muon(muon, groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=optim.eps, momentum=optim.momentum,
-                nesterov=optim.nesterov, ns_steps=optim.ns_steps, ns_dtype=ns_dtype(optim.ns_dtype, device),
-                rms_match=optim.muon.rms_match, group_of=group_of or _no_groups)
+    return chosen.build(OptimizerInputs(groups, apart, optim, lr, weight_decay, device, group_of or _no_groups))
 
 
 def _no_groups(ranks: tuple[int, ...]):
-    raise RuntimeError(f"Muon needs the process group of ranks {ranks}: pass build_optimizer a group_of")
+    raise RuntimeError(f"the optimizer needs the process group of ranks {ranks}: pass build_optimizer a group_of")
 
 
 def by_mesh(parameters: list) -> list[list]:

@@ -17,12 +17,17 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.optim.adam import adam
 
-from trainer.optim.muon_exchange import MatrixExchange
+from trainer.config.schema import OptimConfig
+from trainer.errors import ConfigError
+from trainer.models.spec import ModelSpec
+from trainer.optim.muon_exchange import MatrixExchange, ns_flops
+from trainer.optim.spec import OptimizerInputs, OptimizerSpec, register_optimizer
 from trainer.tensors import local_tensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Keller Jordan's Muon and torch.optim.Muon
@@ -146,3 +151,54 @@ class Muon(torch.optim.Optimizer):
                 f"({sum(p.numel() for p in others) / 1e6:.2f}M: embedding, output, norms, biases, routers); "
                 f"this rank orthogonalises {self.exchange.matrices_here()} of them, sending {moved:.2f} MiB "
                 f"a step each way")
+
+
+@dataclass
+class MuonRules:
+    # The update's scale: match_rms_adamw (0.2 x sqrt(max(rows, cols)): training.lr and weight_decay as
+    # for AdamW) | original (sqrt(max(1, rows / cols)): Keller Jordan's Muon, its own learning rate).
+    rms_match: str = "match_rms_adamw"
+
+
+@dataclass
+class MuonConfig(OptimConfig):
+    """optim=muon: the shared keys (beta1, beta2 and eps are its AdamW's), and Muon's own: momentum
+    and Nesterov, the Newton-Schulz steps and their dtype (auto: bfloat16 on CUDA, float32 elsewhere)."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: str = "auto"
+    muon: MuonRules = field(default_factory=MuonRules)
+
+
+def check(cfg: MuonConfig) -> None:
+    if not 0 <= cfg.momentum < 1:
+        raise ConfigError(f"optim.momentum={cfg.momentum} must be in [0, 1)")
+    if cfg.ns_steps < 1:
+        raise ConfigError(f"optim.ns_steps={cfg.ns_steps} must be >= 1")
+    for key, value, choices in (("ns_dtype", cfg.ns_dtype, ["auto", *NS_DTYPES]),
+                                ("muon.rms_match", cfg.muon.rms_match, list(RMS_RULES))):
+        if value not in choices:
+            raise ConfigError(f"optim.{key}={value} must be one of {choices}")
+
+
+def build(inputs: OptimizerInputs) -> Muon:
+    cfg = inputs.cfg
+    return Muon(inputs.apart, inputs.groups, lr=inputs.lr, weight_decay=inputs.weight_decay,
+                betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                ns_steps=cfg.ns_steps, ns_dtype=ns_dtype(cfg.ns_dtype, inputs.device), rms_match=cfg.muon.rms_match,
+                group_of=inputs.group_of)
+
+
+def takes_muon(name: str, p: torch.Tensor, spec: ModelSpec) -> bool:
+    return is_muon_matrix(name, p, spec.blocks, spec.adamw_matrices)
+
+
+MUON = register_optimizer(OptimizerSpec(
+    name="muon", build=build, config=MuonConfig, check=check, apart=takes_muon,
+    state_words=2.0, apart_state_words=1.0,  # AdamW's two moments; a Muon matrix's momentum
+    whole_matrices=True, matrix_flops=lambda rows, cols, cfg: ns_flops(rows, cols, cfg.ns_steps),
+    matrix_dtype=lambda cfg, device_kind: ns_dtype(cfg.ns_dtype, device_kind),
+    step_work="the Newton-Schulz iterations and the exchange of matrix pieces",
+))

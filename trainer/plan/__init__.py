@@ -22,7 +22,7 @@ from trainer.models import family
 from trainer.models.costs import FP32, Shapes
 from trainer.models.moe_config import n_experts
 from trainer.observe.metrics import flops_per_token
-from trainer.optim.muon import ns_dtype
+from trainer.optim.spec import optimizer_of
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
@@ -141,7 +141,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
         param_bytes=act_bytes, has_loss=any(s.stage == n_stages - 1 for s in stages),
         selective_policy=t.selective_policy, float8=f8, float8_share=costs.float8_params(m),
-        muon=job.optim.name == "muon",
+        optimizer=optimizer_of(job.optim),
     ) for pp_rank, stages in enumerate(stages_by_rank)]
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
@@ -180,8 +180,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         in_float8 = counted.float8 / flops
         compute_tflops = 1 / ((1 - in_float8) / peak_tflops + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
     gathered_per_element = gathered_bytes_per_element(shapes.act_bytes, costs.float8_params(m), f8)
-    muon = job.optim.name == "muon"
-    ns = ns_dtype(job.optim.ns_dtype, device.kind)
+    optimizer = optimizer_of(job.optim)
     return step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,
@@ -194,6 +193,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         per_rank_stages=dims.pp_stages_per_rank,
         # Under pipeline parallel a step's accumulation steps are microbatches of one schedule run.
         n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, moe=n_experts(m) > 0,
-        ns_flops=sum(u.ns_flops for u in units) * job.optim.ns_steps if muon else 0.0,
-        ns_tflops=device.peak_tflops(ns), muon_bytes=sum(u.muon_moved for u in units) * FP32 if muon else 0.0,
+        optimizer_flops=sum(u.apart_flops for u in units),
+        optimizer_tflops=device.peak_tflops(optimizer.matrix_dtype(job.optim, device.kind)),
+        exchanged_bytes=sum(u.apart_moved for u in units) * FP32 if optimizer.whole_matrices else 0.0,
     )

@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from trainer.config.schema import JobConfig
+from trainer.config.schema import JobConfig, OptimConfig
 from trainer.models import ModelSpec, family
 from trainer.models.moe import moe_layers
-from trainer.optim.muon import is_muon_matrix
-from trainer.optim.muon_exchange import ns_flops
+from trainer.optim.spec import optimizer_of
 from trainer.parallel.build import build_options, build_part, one_block
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import edge_units
@@ -38,13 +37,14 @@ class Unit:
     name: str
     sharded: int
     gathered: int
-    # Under optim=muon: the elements of Muon's matrices among `sharded`, the largest such matrix
-    # whole, and this rank's share of one Newton-Schulz step's FLOPs (each matrix's FLOPs times the
-    # share of it held here: the exchange deals the matrices out in that proportion).
-    muon: int = 0
-    muon_largest: int = 0
-    ns_flops: float = 0.0
-    muon_moved: float = 0.0  # elements of those this rank sends to the matrices' owners (and receives back)
+    # The elements among `sharded` the job's optimizer treats apart (Muon's matrices), the largest such
+    # matrix whole, and this rank's share of the optimizer's work on them in a step (each matrix's
+    # FLOPs times the share of it held here: an optimizer updating whole matrices deals them out in
+    # that proportion).
+    apart: int = 0
+    apart_largest: int = 0
+    apart_flops: float = 0.0
+    apart_moved: float = 0.0  # elements of those this rank sends to the matrices' owners (and receives back)
 
 
 @dataclass
@@ -85,7 +85,7 @@ def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
     replica = dataclasses.replace(dims, dp_replicate=1, dp_shard=fsdp, cp=1,
                                   world_size=dims.world_size // dims.dp_replicate)
     # What a rank holds depends on the model and the layout, not on batch or microbatches.
-    key = repr((job.model, parallel, replica.shape, replica.ep, job.data.document_mask))
+    key = repr((job.model, job.optim, parallel, replica.shape, replica.ep, job.data.document_mask))
     if key not in _CACHE:
         if len(_CACHE) > 1024:
             _CACHE.clear()
@@ -114,7 +114,7 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
             for kind in kinds:
                 if (kind, others) not in built:
                     one, kept = one_block(options, modules, first[kind])
-                    units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled)
+                    units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled, job.optim)
                     built[kind, others] = ([(u, spec.block_name(first[kind])) for u in units if spec.is_block(u.name)],
                                            [u for u in units if not spec.is_block(u.name)])
                 per_kind[kind], edges = built[kind, others]
@@ -125,9 +125,10 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
             for r in range(dims.pp)]
 
 
-def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool) -> list[Unit]:
+def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool, optim: OptimConfig) -> list[Unit]:
     """The FSDP units of a parallelized model (see apply_fsdp): each block (with expert parallel, its
     experts apart), the embedding, the head, then the root's own parameters."""
+    optimizer = optimizer_of(optim)
     units = []
     claimed = set()
     embedding, head = edge_units(spec.part(model, spec.embedding), spec.head_modules(model))
@@ -139,31 +140,35 @@ def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool) -> list
     for index, block in spec.block_modules(model).items():
         named = {id(p): f"{spec.block_name(index)}.{n}" for n, p in block.named_parameters()}
 
-        def muon(p, named=named) -> bool:
-            return is_muon_matrix(named[id(p)], p, spec.blocks, spec.adamw_matrices)
+        def apart(p, named=named) -> bool:
+            return optimizer.apart is not None and optimizer.apart(named[id(p)], p, spec)
+
+        def flops(rows: int, cols: int) -> float:
+            return optimizer.matrix_flops(rows, cols, optim) if optimizer.matrix_flops else 0.0
 
         for layer in moe_layers(block) if experts_apart else []:
-            units.append(_unit(f"{spec.block_name(index)}.experts", layer.experts.parameters(), muon))
+            units.append(_unit(f"{spec.block_name(index)}.experts", layer.experts.parameters(), apart, flops))
             claimed |= {id(p) for p in layer.experts.parameters()}
-        units.append(_unit(spec.block_name(index), (p for p in block.parameters() if id(p) not in claimed), muon))
+        units.append(_unit(spec.block_name(index), (p for p in block.parameters() if id(p) not in claimed), apart,
+                           flops))
         claimed |= {id(p) for p in block.parameters()}
     units.append(_unit("root", (p for p in model.parameters() if id(p) not in claimed)))
     return units
 
 
-def _unit(name: str, params, muon=lambda p: False) -> Unit:
+def _unit(name: str, params, apart=lambda p: False, flops=lambda rows, cols: 0.0) -> Unit:
     unit = Unit(name, 0, 0)
     for p in params:
         local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
         unit.sharded += local
         unit.gathered += local * _fsdp_factor(p)
-        if muon(p):
+        if apart(p):
             rows, cols = p.shape[-2:]
-            unit.muon += local
-            unit.muon_largest = max(unit.muon_largest, rows * cols)
+            unit.apart += local
+            unit.apart_largest = max(unit.apart_largest, rows * cols)
             held = math.prod((p.to_local() if isinstance(p, DTensor) else p).shape[-2:])
-            unit.ns_flops += ns_flops(rows, cols, 1) * local / (rows * cols)
-            unit.muon_moved += local * (1 - held / (rows * cols))  # a matrix split n ways: (n - 1) / n
+            unit.apart_flops += flops(rows, cols) * local / (rows * cols)
+            unit.apart_moved += local * (1 - held / (rows * cols))  # a matrix split n ways: (n - 1) / n
     return unit
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.models.costs import FP32, Costs, Shapes
+from trainer.optim.adamw import ADAMW
 from trainer.optim.muon_exchange import ROUND_ELEMENTS
+from trainer.optim.spec import OptimizerSpec
 from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE
 from trainer.plan.layout import StageHoldings
 
@@ -26,7 +28,7 @@ class RankMemory:
     pp_rank: int
     params: float  # sharded fp32 parameters
     grads: float  # sharded fp32 gradients
-    optimizer: float  # AdamW's two moments (Muon's matrices: one momentum buffer)
+    optimizer: float  # the optimizer's state (AdamW's two moments; a Muon matrix's momentum buffer)
     gathered: float  # parameters FSDP holds unsharded (compute dtype)
     activations: float  # saved for backward, at the start of backward
     buffers: float  # communication and transient buffers
@@ -133,14 +135,16 @@ def gathered_at_backward(units: list, per_element: dict, schedule: str | None) -
 def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shapes, *, activation_checkpoint: str,
                 checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
                 param_bytes: int, has_loss: bool, selective_policy: str = "half_mm",
-                float8: str | None = None, float8_share: float = 0.0, muon: bool = False) -> RankMemory:
+                float8: str | None = None, float8_share: float = 0.0,
+                optimizer: OptimizerSpec = ADAMW) -> RankMemory:
     """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
-    float8 linear layers (the experts' grouped GEMMs are not); `muon`: optim=muon."""
+    float8 linear layers (the experts' grouped GEMMs are not); `optimizer`: the job's (its state per
+    element, and whether it updates the matrices it treats apart whole)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     params = sharded * FP32
     grads = sharded * FP32
-    in_muon = sum(u.muon for stage in stages for u in stage.units) if muon else 0
-    optimizer = (2 * sharded - in_muon) * FP32
+    apart = sum(u.apart for stage in stages for u in stage.units) if optimizer.apart is not None else 0
+    states = (optimizer.state_words * (sharded - apart) + optimizer.apart_state_words * apart) * FP32
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     edges = ("embedding", "head", "root")
     in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0
@@ -175,14 +179,15 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
         buffers += 2 * receiving * in_flight * s.tokens * s.model.dim * s.act_bytes
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
 
-    start_of_backward = params + optimizer + gathered + activations + buffers + held_grads
-    # The fused AdamW update works in place, tensor by tensor: no temporary worth counting. Muon's
-    # update takes the gradients' place; the matrices this rank orthogonalises in one round of the
-    # exchange (about as many elements as it holds, at most ROUND_ELEMENTS or the largest matrix)
-    # are held received, gathered, in the iteration and sent back: four copies at most.
-    optimizer_step = params + optimizer + grads
-    if in_muon:
-        largest = max(u.muon_largest for stage in stages for u in stage.units)
-        optimizer_step += 4 * min(in_muon, max(ROUND_ELEMENTS, largest)) * FP32
-    return RankMemory(pp_rank, params, grads, optimizer, gathered, activations, buffers,
+    start_of_backward = params + states + gathered + activations + buffers + held_grads
+    # An update in place, tensor by tensor (the fused AdamW's) holds no temporary worth counting. One
+    # that updates each matrix apart whole (Muon: the update takes the gradients' place) holds the
+    # matrices this rank updates in one round of the exchange (about as many elements as it holds, at
+    # most ROUND_ELEMENTS or the largest matrix) received, gathered, in the iteration and sent back:
+    # four copies at most.
+    optimizer_step = params + states + grads
+    if apart and optimizer.whole_matrices:
+        largest = max(u.apart_largest for stage in stages for u in stage.units)
+        optimizer_step += 4 * min(apart, max(ROUND_ELEMENTS, largest)) * FP32
+    return RankMemory(pp_rank, params, grads, states, gathered, activations, buffers,
                       max(start_of_backward, optimizer_step))

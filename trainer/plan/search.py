@@ -19,6 +19,7 @@ from trainer.errors import ConfigError
 from trainer.models import build_model, count_params
 from trainer.models.moe import moe_layers
 from trainer.models.moe_config import n_experts
+from trainer.optim.spec import state_bytes_bound
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.plan import GIB, MARGIN, Plan, make_plan
 from trainer.plan.devices import Device
@@ -71,7 +72,7 @@ def parameter_counts(job: JobConfig) -> tuple[int, int]:
     return count_params(model), experts
 
 
-def states_bound(counts: tuple[int, int], layout: dict, per_param: int = 16) -> float:
+def states_bound(counts: tuple[int, int], layout: dict, per_param: float = 16) -> float:
     """A lower bound of a rank's peak under `layout`: its share of the fp32 parameters, gradients and
     optimizer state (`per_param` bytes: 16 with AdamW's two moments, at least 12 under Muon's one), the
     experts sharded over pp x dp_shard x cp, the rest also over tp."""
@@ -130,7 +131,7 @@ def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
     counts, usable = parameter_counts(job), device.memory_gib * GIB * (1 - MARGIN)
-    per_param = 12 if job.optim.name == "muon" else 16
+    per_param = state_bytes_bound(job.optim)
     for layout in candidates(job, gpus, device):
         if states_bound(counts, layout, per_param) > usable:
             rejected["parameter states over the memory"] += 1

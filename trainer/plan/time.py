@@ -47,11 +47,13 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
               grad_bytes: float, sharded_grad_bytes: float, act_stream_bytes: float, kv_bytes: float,
               expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int,
               recompute: float, selective: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
-              moe: bool = False, ns_flops: float = 0.0, ns_tflops: float = 0.0, muon_bytes: float = 0.0) -> StepTime:
+              moe: bool = False, optimizer_flops: float = 0.0, optimizer_tflops: float = 0.0,
+              exchanged_bytes: float = 0.0) -> StepTime:
     """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py);
-    `recompute` is the share of blocks whose forward runs again in backward. Muon: this rank's
-    Newton-Schulz FLOPs a step, at `ns_tflops` peak, and the bytes of matrix pieces it sends (and
-    receives back) over the FSDP x tp group."""
+    `recompute` is the share of blocks whose forward runs again in backward. The optimizer's own
+    work: this rank's FLOPs a step (Muon's Newton-Schulz iterations), at `optimizer_tflops` peak,
+    and the bytes of matrix pieces it sends to their owners (and receives back) over the FSDP x tp
+    group."""
     tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
     if dims.world_size == dims.pp:
         share = device.efficiency.alone
@@ -93,10 +95,10 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
         pp_s = 2 * act_stream_bytes * microbatches_per_rank * per_rank_stages / (pp_link * 1e9)
         bubble = max(0.0, pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches) - device.lent_idle)
     optimizer_s = 0.0
-    if ns_flops:  # nan where the device's peak is unknown, as for compute
-        optimizer_s = ns_flops / (ns_tflops * 1e12 * share) if ns_tflops > 0 else float("nan")
-    if muon_bytes:  # each rank's pieces to their owners and back: two all-to-alls over the ranks sharing them
-        optimizer_s += 2 * muon_bytes / (link_gbps(device, 1, fsdp_ranks * tp) * 1e9)
+    if optimizer_flops:  # nan where the device's peak is unknown, as for compute
+        optimizer_s = optimizer_flops / (optimizer_tflops * 1e12 * share) if optimizer_tflops > 0 else float("nan")
+    if exchanged_bytes:  # each rank's pieces to their owners and back: two all-to-alls over the ranks sharing them
+        optimizer_s += 2 * exchanged_bytes / (link_gbps(device, 1, fsdp_ranks * tp) * 1e9)
     exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s + optimizer_s
     return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, optimizer_s, bubble, exposed / (1 - bubble))
 
