@@ -64,7 +64,7 @@ def run_plain_loop(threads: int, steps: int, warmup: int, overrides: list[str]) 
     from trainer import build_model
     from trainer.config.files import CONFIG_DIR, register_configs
     from trainer.hardware import measure_cpu_tflops
-    from trainer.observe.memory import peak_memory_gib
+    from trainer.observe.measured_memory import peak_memory_gib
     from trainer.observe.metrics import flops_per_token
     from trainer.run.allocator import reuse_freed_memory
 

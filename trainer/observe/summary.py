@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from trainer.distributed import gather_floats
-from trainer.observe.memory import peak_memory_gib
+from trainer.observe.measured_memory import peak_memory_gib
 
 
 def duration(seconds: float) -> str:

@@ -24,7 +24,7 @@ from trainer.models import family
 from trainer.models.moe_config import n_experts
 from trainer.observe.describe import describe_layout, describe_share
 from trainer.observe.health import RankHealth
-from trainer.observe.memory import MemoryFigures
+from trainer.observe.measured_memory import MemoryFigures
 from trainer.observe.memory_snapshot import MemorySnapshot, known_tensors
 from trainer.observe.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
 from trainer.observe.profiler import StepProfiler
