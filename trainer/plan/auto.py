@@ -111,6 +111,6 @@ def calibration_note(named: str | None, device_kind: str) -> str | None:
         return None
     table = named in DEVICES and DEVICES[named].kind == device_kind
     figures = f"the {named} table's figures" if table else f"fixed {device_kind.upper()} figures"
-    return (f"plan: parallel=auto predicts from {figures}, not measured here (off by tens of percent at times); "
-            f"to rank with this machine's: python scripts/plan.py --calibrate --name NAME --world N <this job's "
-            f"overrides>, then launch with plan.device=NAME")
+    return (f"plan: parallel=auto predicts from {figures}, not measured here (the figures can be several times off "
+            f"on another machine; the ranking holds better); to rank with this machine's: python scripts/plan.py "
+            f"--calibrate --name NAME --world N <this job's overrides>, then launch with plan.device=NAME")
