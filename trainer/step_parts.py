@@ -24,6 +24,15 @@ class StepPart:
     def after_step(self, step: int) -> None:
         """The step is over, applied or not (a failed replica round trains it again)."""
 
+    def after_update(self, step: int) -> None:
+        """The step counted: every replica group applied its update (or the guard skipped it). A part
+        may move the run from here (a loss spike's rollback): the step is then neither logged nor
+        saved, and the loop goes on from where the run moved."""
+
+    def enter(self, phase: str, long: bool = False) -> None:
+        """The loop enters `phase` of the step (the metrics, a checkpoint); `long`: one allowed
+        distributed.timeout_s, like a start-up (a validation, a checkpoint save, a resume)."""
+
     def record(self) -> dict:
         """Figures for the step's logged record (collective: every rank calls it)."""
         return {}
@@ -57,6 +66,14 @@ class StepParts(StepPart):
     def after_step(self, step: int) -> None:
         for part in self.parts:
             part.after_step(step)
+
+    def after_update(self, step: int) -> None:
+        for part in self.parts:
+            part.after_update(step)
+
+    def enter(self, phase: str, long: bool = False) -> None:
+        for part in self.parts:
+            part.enter(phase, long)
 
     def record(self) -> dict:
         return {k: v for part in self.parts for k, v in part.record().items()}

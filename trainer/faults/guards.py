@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from trainer.errors import TrainingStopped
+from trainer.step_parts import StepPart
 from trainer.tensors import local_tensor
 
 
@@ -90,6 +91,19 @@ class StepGuard:
     def spiked(self) -> bool:
         """Whether the step just checked was skipped as a loss spike (a host sync)."""
         return bool(self.last_was_spike.item())
+
+
+class SpikeRollback(StepPart):
+    """training.spike.action=rollback, as a step part: after a step the guard skipped as a loss spike,
+    `roll_back()` (the trainer's) takes the run back to the newest checkpoint, reading on past the
+    spike's batch; with no checkpoint yet, the step just stays skipped."""
+
+    def __init__(self, guard: StepGuard, roll_back):
+        self.guard, self.roll_back = guard, roll_back
+
+    def after_update(self, step: int) -> None:
+        if self.guard.spiked():
+            self.roll_back()
 
 
 def _values(values: list[float]) -> str:

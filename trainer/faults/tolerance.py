@@ -22,6 +22,7 @@ import os
 import socket
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -108,14 +109,11 @@ def group_output_dir(job: JobConfig) -> str:
 
 class OneGroup:
     """The job as one replica group (fault tolerance off): every step trains the whole batch here,
-    and commits."""
-
-    recovered_at = None
-
-    def set_step(self, step: int) -> None:
-        pass
+    and commits. What the loop asks of the replica groups, around each step."""
 
     def start_step(self) -> list[int] | None:
+        """The replica shares of the global batch this group trains in the next step (None: the
+        whole batch, there being one group)."""
         return None
 
     def reduce(self, parameters, loss: torch.Tensor) -> torch.Tensor:
@@ -132,7 +130,10 @@ class OneGroup:
     def saves_checkpoints(self) -> bool:
         return True
 
-    def commit(self) -> bool:
+    def commit(self, update: Callable[[], None]) -> bool:
+        """Runs `update` (the optimizer step) when every group finished the step; whether it ran (else
+        the step is trained again)."""
+        update()
         return True
 
     def close(self) -> None:
@@ -141,15 +142,18 @@ class OneGroup:
 
 class ReplicaGroups(OneGroup):
     """This rank's side of torchft's manager: the quorum at the start of each step, the gradient
-    all-reduce across groups, and the commit before the optimizer steps."""
+    all-reduce across groups, and the commit before the optimizer steps. `first_quorum(received)` runs
+    once, after the first quorum (`received`: whether a peer group's state came in it)."""
 
     def __init__(self, job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state,
-                 device: torch.device, log, mark=lambda phase: None):
+                 device: torch.device, log, mark=lambda phase: None,
+                 first_quorum: Callable[[bool], None] = lambda received: None):
         ft, tf = job.fault_tolerance, torchft()
         self.groups, self.group, self.keep = job.parallel.dp_replicate, ft.replica_group, ft.keep_global_batch
         self.model, self.optimizer, self.log, self.mark = model, optimizer, log, mark  # mark: the watchdog's phase
         # (get, set) of what else a recovering group needs: the step and the data's stream position.
         self.trainer_state = trainer_state
+        self.first_quorum: Callable[[bool], None] | None = first_quorum
         timeout = timedelta(seconds=ft.timeout_s)
         pg = tf.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else tf.ProcessGroupGloo(timeout=timeout)
         self.manager = tf.Manager(
@@ -162,7 +166,7 @@ class ReplicaGroups(OneGroup):
             replica_id=f"replica_group_{self.group}", lighthouse_addr=lighthouse_address(ft),
             timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=job.distributed.timeout_s))
-        self.recovered, self.recovered_at = False, None  # the last quorum's recovery, and its seconds
+        self.recovered = False  # whether the last quorum brought a peer group's state
         self.said = (self.groups, True)
 
     def set_step(self, step: int) -> None:
@@ -170,14 +174,19 @@ class ReplicaGroups(OneGroup):
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
 
     def start_step(self) -> list[int]:
-        """The quorum for the next step (recovering from a peer first if this group is behind);
-        returns the replica shares of the global batch this group trains in it."""
-        self.recovered_at, self.recovered = None, False
+        """The quorum for the next step (recovering from a peer first if this group is behind: the
+        trainer's step moves); returns the replica shares of the global batch this group trains in it."""
+        self.recovered = False
         self.mark("quorum")
         started = time.perf_counter()
         self.manager.start_quorum()  # a group behind the others receives their state in it (_load)
         if self.recovered:
-            self.recovered_at = time.perf_counter() - started
+            self.log(f"fault tolerance: recovered from a peer group at step {self.trainer_state[0]()['step']} in "
+                     f"{time.perf_counter() - started:.2f}s (quorum, transfer and load of the weights, optimizer "
+                     f"state and step; no checkpoint read)")
+        if self.first_quorum is not None:
+            self.first_quorum(self.recovered)
+            self.first_quorum = None
         n, rank = self.manager.num_participants(), self.manager.participating_rank()
         if rank is None:  # healing failed or no room: train nothing, commit nothing
             shares = []
@@ -227,14 +236,14 @@ class ReplicaGroups(OneGroup):
         """One group saves the job's checkpoints: the first of the step's quorum."""
         return self.manager.participating_rank() == 0
 
-    def commit(self) -> bool:
-        """Whether every group of the quorum finished the step (else it is trained again)."""
-        committed = self.manager.should_commit()
-        if not committed:
-            error = self.manager.errored()
-            why = str(error.original_exception).splitlines()[0][:200] if error is not None else "a group did not commit"
-            self.log(f"fault tolerance: the step failed across replica groups ({why}); training it again")
-        return committed
+    def commit(self, update: Callable[[], None]) -> bool:
+        if self.manager.should_commit():
+            update()
+            return True
+        error = self.manager.errored()
+        why = str(error.original_exception).splitlines()[0][:200] if error is not None else "a group did not commit"
+        self.log(f"fault tolerance: the step failed across replica groups ({why}); training it again")
+        return False
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)

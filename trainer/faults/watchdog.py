@@ -127,6 +127,12 @@ class Watchdog(StepPart):
     def after_backward(self, step: int) -> None:
         self.phase("optimizer")
 
+    def enter(self, phase: str, long: bool = False) -> None:
+        if long:
+            self.slow(phase)
+        else:
+            self.phase(phase)
+
     def slow(self, name: str) -> None:
         self.name, self.started = name, time.monotonic()
         self.limit = ("distributed.timeout_s", self.timeout_s)

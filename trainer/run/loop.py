@@ -1,6 +1,9 @@
 """One rank's step loop (`fit`): batch, forward and backward (or the pipeline schedule), reduce, clip,
-guard, optimizer step, then log and save. Its pieces are built by `trainer.run.setup.build_trainer`; the
-features that act around the step are parts (`trainer/step_parts.py`) it calls at fixed points."""
+guard, optimizer step, then log and save. Its pieces are built by `trainer.run.setup.build_trainer`.
+What acts around the step is not named here: the features are step parts (`trainer/step_parts.py`),
+called at fixed points and told each phase the loop enters; the replica groups (`self.replicas`, the
+job as one group without fault tolerance) take the quorum before a step and commit its update; the
+passes (`trainer/run/passes.py`) hold what differs under a pipeline."""
 
 from __future__ import annotations
 
@@ -21,14 +24,13 @@ from trainer.data.microbatches import StepData
 from trainer.distributed import restart_count
 from trainer.faults.guards import StepGuard, check_finite
 from trainer.faults.tolerance import OneGroup
-from trainer.faults.watchdog import Watchdog
 from trainer.observe.describe import describe_layout
 from trainer.observe.metrics import MetricsLogger, Throughput
 from trainer.observe.summary import rank_peaks, summary_lines
 from trainer.optim.clipping import clip_and_sum_loss_
 from trainer.optim.schedule import build_scheduler
 from trainer.parallel.dims import ParallelDims
-from trainer.run.passes import job_loss, supervised_count, supervised_scale
+from trainer.run.passes import Passes, job_loss, supervised_count, supervised_scale
 from trainer.run.stop import StopRequest
 from trainer.step_parts import StepPart, StepParts
 
@@ -41,8 +43,7 @@ class Trainer:
     log: Callable[..., None]  # prints on rank 0
     model: nn.ModuleList  # this rank's model parts (its pipeline stages), as one module
     model_parts: list[nn.Module]
-    step_fn: Callable  # this rank's microbatches, their supervised_scale -> its loss, after forward and backward
-    eval_fn: Callable  # the same, forward only
+    passes: Passes  # this rank's forward and backward (plain or the pipeline schedule's), forward only
     optimizer: torch.optim.Optimizer
     state: TrainState  # what a checkpoint holds of the model and optimizer
     data: StepData
@@ -55,74 +56,75 @@ class Trainer:
     throughput: Throughput
     guard: StepGuard
     stop: StopRequest
-    watchdog: Watchdog
     param_mib: float
     predicted: float | None  # the plan's peak bytes of tensors, said beside the measured one once
-    deferred_resume: CheckpointConfig | None  # under fault tolerance: resumed at the first quorum
     step_parts: StepPart = field(default_factory=lambda: StepParts([]))
 
     def __post_init__(self):
         self.training = self.job.training
         self.first_step = self.step + 1  # the first step this run trains
-        # The ranks holding a loss (those of the last stage), and the microbatches of one replica share.
-        self.loss_holders = self.dims.world_size // self.dims.pp
-        self.microbatches = self.dims.grad_accum_steps * self.dims.pp_microbatches
-        spike = self.training.spike
-        self.rolls_back = spike.threshold is not None and spike.action == "rollback"
+        self.first_trained: int | None = None  # the same, once trained (a quorum may have moved the run)
 
     def fit(self) -> None:
+        """Trains up to training.steps, or until a signal stops the run."""
         steps = self.training.steps
         if self.step >= steps:
             self.log(f"nothing to train: already at step {self.step} (training.steps={steps}); "
                      f"raise training.steps to train on")
-        first = None  # the first step this run trains
         while self.step < steps:
-            shares = self.quorum()
-            if self.step >= steps:  # a peer this group recovered from had finished
+            done = self.train_step()
+            if done is not None and self.log_and_save(*done):
                 break
-            self.step += 1
-            first = first or self.step
-            self.step_parts.start_step(self.step)
-            result = self.train_step(self.data.train(self.step - 1, shares))
-            self.step_parts.after_step(self.step)
-            if result is None:  # a replica group failed during the step: trained again by the quorum left
-                self.step -= 1
-                continue
-            if self.rolls_back and self.guard.spiked() and self.roll_back():
-                continue
-            if self.log_and_save(*result):
-                break
-        self.finish(first)
+        self.finish()
 
-    def train_step(self, rounds: list[list]) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """Forward, backward and the optimizer step over the step's microbatches (`rounds`: a list of
-        them per replica share, each round accumulating into the gradients) -> (this rank's loss, the
-        gradient norm, the lr); None when the replica groups did not all finish the step."""
-        step, parameters = self.step, self.model.parameters
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Trains the step after self.step: forward and backward over its microbatches (a round of them
+        per replica share, each round accumulating into the gradients), then clipping, the guard and
+        the optimizer step. Returns (this rank's loss, the gradient norm, the lr) once the step counts;
+        None when it does not, self.step then being where the run goes on from: the replica groups
+        did not all finish it (it is trained again), a part moved the run (a loss spike's rollback),
+        or the quorum brought a peer group's state from past the last step."""
+        shares = self.replicas.start_step()  # (a group behind the others takes their state, and step)
+        step = self.step + 1
+        if step > self.training.steps:
+            return None
+        self.first_trained = self.first_trained or step
+        self.step_parts.start_step(step)
+        rounds = self.data.train(step - 1, shares)
         self.step_parts.before_forward(step)
-        # The supervised tokens of the whole global batch (every replica share's), before any forward.
-        self.watchdog.phase("counting the supervised tokens")
-        counts = [supervised_count(microbatches, self.dims, self.device) for microbatches in rounds]
-        self.supervised = self.replicas.sum_counts(sum(counts, torch.zeros((), dtype=torch.float64,
-                                                                           device=self.device)))
-        scale = supervised_scale(self.supervised, self.dims.view("dp_cp").size() * self.replicas.shares())
+        scale = self.loss_scale(rounds)
         loss = torch.zeros((), device=self.device)
         for microbatches in rounds:
-            loss = loss + self.step_fn(microbatches, scale)
+            loss = loss + self.passes.train(microbatches, scale)
         self.step_parts.after_backward(step)
-        loss = self.replicas.reduce(parameters(), loss)
-        grad_norm, loss_sum = clip_and_sum_loss_(parameters(), self.training.max_norm, loss)
-        skip = self.guard.check(step, loss_sum / self.loss_holders, grad_norm)
-        self.step_parts.before_optimizer_step(step, skip, self.microbatches * len(rounds))
+        loss = self.replicas.reduce(self.model.parameters(), loss)
+        grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm, loss)
+        skip = self.guard.check(step, loss_sum / self.passes.loss_ranks, grad_norm)
+        self.step_parts.before_optimizer_step(step, skip, self.passes.microbatches * len(rounds))
         lr = self.scheduler.get_last_lr()[0]
         # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
         self.optimizer.found_inf = skip
-        committed = self.replicas.commit()
-        if committed:
-            self.optimizer.step()
-            self.scheduler.step()
+        counted = self.replicas.commit(self.update)
         self.optimizer.zero_grad(set_to_none=True)
-        return (loss, grad_norm, lr) if committed else None
+        self.step_parts.after_step(step)
+        if counted:
+            self.step = step
+            self.step_parts.after_update(step)
+        return (loss, grad_norm, lr) if self.step == step else None
+
+    def loss_scale(self, rounds: list[list]) -> torch.Tensor:
+        """The factor this step's token losses take (passes.supervised_scale), from the supervised
+        tokens of the whole global batch (every replica share's), counted before any forward."""
+        self.step_parts.enter("counting the supervised tokens")
+        counts = [supervised_count(microbatches, self.dims, self.device) for microbatches in rounds]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.supervised = self.replicas.sum_counts(sum(counts, zero))
+        return supervised_scale(self.supervised, self.dims.view("dp_cp").size() * self.replicas.shares())
+
+    def update(self) -> None:
+        """The optimizer's step and the learning rate's."""
+        self.optimizer.step()
+        self.scheduler.step()
 
     def log_and_save(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> bool:
         """The step's log line and checkpoint, when due; whether a signal stops the run here."""
@@ -130,7 +132,7 @@ class Trainer:
         validate = every > 0 and step % every == 0
         if step % self.job.metrics.log_every == 0 or step == self.training.steps or validate:
             self.log_step(loss, grad_norm, lr, validate)
-        self.watchdog.phase("checkpoint")
+        self.step_parts.enter("checkpoint")
         stop = self.stop.agreed()
         if self.checkpointer is not None and self.replicas.saves_checkpoints():
             self.checkpointer.after_step(step, self.training.steps, self.saved_state, stop)
@@ -138,30 +140,9 @@ class Trainer:
             self.say_stopped()
         return stop
 
-    def quorum(self) -> list[int] | None:
-        """Under fault tolerance, the quorum of replica groups for the next step (a group behind the
-        others first receives their state: self.step moves); the global batch's replica shares this
-        group trains in it. None for the job as one group."""
-        shares = self.replicas.start_step()
-        if self.replicas.recovered_at is not None:
-            self.log(f"fault tolerance: recovered from a peer group at step {self.step} in "
-                     f"{self.replicas.recovered_at:.2f}s (quorum, transfer and load of the weights, optimizer state "
-                     f"and step; no checkpoint read)")
-        elif self.deferred_resume is not None and self.step == 0:
-            self.watchdog.slow("resume")
-            groups = [self.checkpoint_dir.parent.parent / f"replica_group_{g}" / "checkpoints"
-                      for g in range(self.job.parallel.dp_replicate)]
-            step = resume(self.job, self.dims, self.deferred_resume, self.state, self.data, groups, self.log)
-            self.set_progress({"step": step, "data_offset": self.data.loader.offset})
-            self.replicas.set_step(self.step)
-        if self.deferred_resume is not None:
-            self.logger.begin(self.step)
-            self.deferred_resume = None
-        return shares
-
     def log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, validate: bool) -> None:
         """The step's record (collective: the loss and statistics are the whole job's)."""
-        self.watchdog.phase("metrics")
+        self.step_parts.enter("metrics")
         step, dims = self.step, self.dims
         record = {"step": step, "loss": job_loss(loss, dims), "grad_norm": grad_norm.item(), "lr": lr,
                   "supervised_tokens": int(self.supervised.item())}
@@ -182,11 +163,7 @@ class Trainer:
             **guarded,
         }
         if validate:
-            self.watchdog.slow("validation")
-            batches = [self.data.validation(i) for i in range(self.job.validation.steps)]
-            count = supervised_count([m for microbatches in batches for m in microbatches], dims, self.device)
-            scale = supervised_scale(count, dims.view("dp_cp").size())
-            record["val_loss"] = job_loss(sum(self.eval_fn(microbatches, scale) for microbatches in batches), dims)
+            record["val_loss"] = self.validation_loss()
         self.logger.log(record)
         measured, since = record["mem_tensor_gib"], record["mem_since_step"]
         if self.predicted is not None and measured is not None and since > self.first_step:  # once, steady state
@@ -196,21 +173,29 @@ class Trainer:
             self.predicted = None
         self.throughput.reset(step)
 
-    def roll_back(self) -> bool:
+    def validation_loss(self) -> float:
+        """The job's mean loss over validation.steps batches of the validation set (collective)."""
+        self.step_parts.enter("validation", long=True)
+        dims = self.dims
+        batches = [self.data.validation(i) for i in range(self.job.validation.steps)]
+        count = supervised_count([m for microbatches in batches for m in microbatches], dims, self.device)
+        scale = supervised_scale(count, dims.view("dp_cp").size())
+        return job_loss(sum(self.passes.evaluate(microbatches, scale) for microbatches in batches), dims)
+
+    def roll_back(self) -> None:
         """After a loss spike: back to the newest checkpoint, reading on past the spike's batch (collective).
-        False when there is no checkpoint yet (the step stays skipped)."""
-        self.watchdog.slow("rollback")
+        With no checkpoint yet the step stays skipped."""
+        self.step_parts.enter("rollback", long=True)
         back = roll_back(self.state, self.checkpoint_dir, self.checkpointer, self.log)
         if back is None:
-            return False
+            return
         position = self.data.loader.position(self.step)
         self.log(f"spike: step {self.step} skipped; rolled back to step {back}, reading on from sequence {position}")
         self.set_progress({"step": back, "data_offset": position - back * self.training.global_batch_size})
-        return True
 
     def saved_state(self) -> dict:
         """What a checkpoint of this step holds, once the guards let it be saved (collective)."""
-        self.watchdog.slow("checkpoint")
+        self.step_parts.enter("checkpoint", long=True)
         self.guard.check_stop()  # a stop pending since the last log stops here, before anything is written
         check_finite(self.model_parts, self.optimizer, self.step)
         return self.state.for_save(self.step, self.data.loader.position(self.step))
@@ -239,17 +224,18 @@ class Trainer:
             self.log(f"checkpoint: stopped at step {self.step} {why}: saved {self.checkpoint_dir}/step_{self.step}; "
                      f"run the same command to go on from it (checkpoint.resume=auto)")
 
-    def finish(self, first: int | None) -> None:
+    def finish(self) -> None:
         peaks = rank_peaks(self.device, self.stop.group)
         skipped = int(self.guard.skipped.item())
         self.stop.close()
-        self.watchdog.slow("finishing")
+        self.step_parts.enter("finishing", long=True)
         self.step_parts.close()
         if self.training.compile:
             self.log(f"compile: {compiled_graphs()} graphs compiled")
         self.data.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
+        first = self.first_trained
         if first is not None and peaks:  # rank 0, once this run has trained
             saved = checkpoint_steps(self.checkpoint_dir) if self.checkpointer is not None else None
             for line in summary_lines(first, self.step, self.training.steps, self.throughput.tokens_per_step,

@@ -10,6 +10,8 @@ is the mean of the microbatches' means, as before."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -23,12 +25,25 @@ from trainer.parallel.fsdp import reshard
 from trainer.parallel.pipeline import build_schedule, forward_only, stage_owners
 
 
-def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, model_parts: list[nn.Module],
-                  stages: list[int], mark=lambda phase: None):
-    """The forward and backward of one optimizer step, and the forward only (validation): each maps
-    this rank's microbatches and a supervised_scale to its share of the step's loss (0 on
-    pipeline ranks without the last stage). The model computes the sum of its token losses itself,
-    given the labels (its LMHead). `mark` is told each phase the step enters (the watchdog's)."""
+@dataclass
+class Passes:
+    """What this rank runs of a step. `train(microbatches, scale)`: forward and backward over its
+    microbatches of one round, scaled by a supervised_scale -> its share of the loss (0 on pipeline
+    ranks without the last stage); `evaluate`: the same, forward only. `microbatches`: the forward
+    passes of one round (a pipeline's microbatches are smaller than a rank's batch); `loss_ranks`: the
+    ranks that hold a loss (the last pipeline stage's)."""
+
+    train: Callable[[list, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[list, torch.Tensor], torch.Tensor]
+    microbatches: int
+    loss_ranks: int
+
+
+def make_passes(job: JobConfig, dims: ParallelDims, device: torch.device, model_parts: list[nn.Module],
+                stages: list[int], mark=lambda phase: None) -> Passes:
+    """This rank's passes, plain or through the pipeline schedule. The model computes the sum of its
+    token losses itself, given the labels (its LMHead). `mark` is told each phase the step enters
+    (the watchdog's)."""
     for part in model_parts:
         sum_token_losses(part)
     pp_group = dims.view("pp").get_group() if dims.pp_enabled else None
@@ -45,11 +60,12 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, mode
         reshard(model_parts)
         return total
 
-    if not dims.pp_enabled:
-        return partial(forward_backward, model_parts[0], device=device, mark=mark), eval_fn
     # Accumulation steps are more microbatches of one schedule run: FSDP gathers and reduce-scatters
     # once a step, and the pipeline fills and drains once.
     n_microbatches = dims.grad_accum_steps * dims.pp_microbatches
+    if not dims.pp_enabled:
+        return Passes(partial(forward_backward, model_parts[0], device=device, mark=mark), eval_fn, n_microbatches,
+                      dims.world_size)
     this_step = {}  # the step's supervised_scale, which the schedule's loss function applies
 
     def loss_fn(loss, labels):
@@ -66,7 +82,7 @@ def make_step_fns(job: JobConfig, dims: ParallelDims, device: torch.device, mode
         return pipeline_step(schedule, microbatches, device=device, first=0 in stages, last=n_stages - 1 in stages,
                              mark=mark)
 
-    return step, eval_fn
+    return Passes(step, eval_fn, n_microbatches, dims.world_size // dims.pp)
 
 
 def supervised_count(microbatches: list, dims: ParallelDims, device: torch.device) -> torch.Tensor:

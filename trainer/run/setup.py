@@ -14,7 +14,7 @@ from torch import nn
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config.schema import CheckpointConfig, JobConfig
 from trainer.data.microbatches import StepData
-from trainer.faults.guards import StepGuard
+from trainer.faults.guards import SpikeRollback, StepGuard
 from trainer.faults.injection import FaultInjection
 from trainer.faults.tolerance import OneGroup, ReplicaGroups
 from trainer.faults.watchdog import Watchdog
@@ -34,7 +34,7 @@ from trainer.parallel.build import build_model_parts, build_options
 from trainer.parallel.dims import ParallelDims
 from trainer.run.loop import Trainer, resume
 from trainer.run.moe_upkeep import MoEUpkeep
-from trainer.run.passes import make_step_fns
+from trainer.run.passes import make_passes
 from trainer.run.stop import StopRequest
 from trainer.step_parts import StepParts
 from trainer.tensors import local_tensor
@@ -59,7 +59,7 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     f8 = float8_of(t)
     if f8 is not None:
         log(describe_float8(model_parts, f8))
-    step_fn, eval_fn = make_step_fns(job, dims, device, model_parts, stages, watchdog.phase)
+    passes = make_passes(job, dims, device, model_parts, stages, watchdog.phase)
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay, family(job.model.family),
                                 dims.group_spanning, device)
     if hasattr(optimizer, "describe"):
@@ -79,25 +79,40 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config["model"], device, job.data.tokenizer, faults)
     peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None  # only rank 0 logs mfu
     trainer = Trainer(
-        job=job, dims=dims, device=device, log=log, model=model, model_parts=model_parts, step_fn=step_fn,
-        eval_fn=eval_fn, optimizer=optimizer, state=state, data=data, step=step,
+        job=job, dims=dims, device=device, log=log, model=model, model_parts=model_parts, passes=passes,
+        optimizer=optimizer, state=state, data=data, step=step,
         scheduler=build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio, step),
         replicas=OneGroup(), checkpointer=checkpointer, checkpoint_dir=checkpoint_dir,
         logger=MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config, None if deferred else step,
                              job.metrics.tensorboard.enabled),
         throughput=Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
                               dims.world_size, step, t.steps),
-        guard=StepGuard(t, device), stop=stop, watchdog=watchdog, param_mib=param_mib,
-        predicted=predicted, deferred_resume=deferred,
+        guard=StepGuard(t, device), stop=stop, param_mib=param_mib, predicted=predicted,
     )
-    if job.fault_tolerance.enabled:
+    if deferred is not None:
         trainer.replicas = ReplicaGroups(job, model, optimizer, (trainer.progress, trainer.set_progress), device, log,
-                                         watchdog.phase)
+                                         watchdog.phase, partial(resume_at_first_quorum, trainer, deferred))
         trainer.replicas.set_step(step)
     health = health_check(job, dims, device, trainer.stop.group, log)
-    trainer.step_parts = StepParts(build_step_parts(job, dims, device, model, model_parts, optimizer, watchdog,
-                                                    health, faults, step))
+    parts = build_step_parts(job, dims, device, model, model_parts, optimizer, watchdog, health, faults, step)
+    if t.spike.threshold is not None and t.spike.action == "rollback":
+        parts.append(SpikeRollback(trainer.guard, trainer.roll_back))
+    trainer.step_parts = StepParts(parts)
     return trainer
+
+
+def resume_at_first_quorum(trainer: Trainer, checkpoint: CheckpointConfig, received: bool) -> None:
+    """Under fault tolerance, after a replica group's first quorum: unless a peer group's state came
+    in it, every group is at step 0 and resumes from the newest checkpoint of any group."""
+    if not received and trainer.step == 0:
+        trainer.step_parts.enter("resume", long=True)
+        job = trainer.job
+        groups = [trainer.checkpoint_dir.parent.parent / f"replica_group_{g}" / "checkpoints"
+                  for g in range(job.parallel.dp_replicate)]
+        step = resume(job, trainer.dims, checkpoint, trainer.state, trainer.data, groups, trainer.log)
+        trainer.set_progress({"step": step, "data_offset": trainer.data.loader.offset})
+        trainer.replicas.set_step(trainer.step)
+    trainer.logger.begin(trainer.step)
 
 
 def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, model_config: dict, device: torch.device,
