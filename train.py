@@ -33,13 +33,15 @@ def config_error(e: ConfigError) -> None:
 
 
 def first_to_say(line: str) -> bool:
-    """Whether this rank is the first of its node's ranks (of this launch and restart) to say `line`:
-    the first creates a file named after it in a folder they share (torchrun's folder for this
-    attempt, else the temporary folder). A line only one rank finds (its data shard, say) is its own."""
+    """Whether this rank is the first of its node's ranks (of this launch and restart) to say
+    `line`: the first creates a file named after it in a folder they share (torchrun's folder for
+    this attempt, else the temporary folder). A line only one rank finds (its data shard, say) is
+    its own."""
     if "LOCAL_RANK" not in os.environ:
         return True
     digest = hashlib.sha256(line.encode()).hexdigest()[:16]
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <attempt folder>/<local rank>/error.json
+    # <attempt folder>/<local rank>/error.json
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         marker = Path(error_file).parent.parent / f"said-{digest}"
     else:
@@ -87,10 +89,12 @@ if __name__ == "__main__":
     if notices and os.environ.get("LOCAL_RANK", "0") == "0":
         print("\n".join(notices), flush=True)
     try:
-        if any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's flags (--cfg job) print, they do not run
+        # Hydra's flags (--cfg job) print, they do not run
+        if any(arg.startswith("-") for arg in sys.argv[1:]):
             check_overrides(sys.argv[1:])
         else:
-            compose_job(sys.argv[1:])  # the overrides checked, every file parsed, every value of its type
+            # the overrides checked, every file parsed, every value of its type
+            compose_job(sys.argv[1:])
     except ConfigError as e:
         config_error(e)
     main()

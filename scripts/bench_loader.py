@@ -28,9 +28,11 @@ from trainer.data import BatchLoader, build_dataset  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--dp", type=int, default=1, help="read as rank 0 of this many data-parallel ranks")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="read as rank 0 of this many data-parallel ranks")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     register_configs()
@@ -41,16 +43,17 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     dataset = build_dataset(job.data, t.seq_len, t.seed)
     built = time.perf_counter()
-    loader = BatchLoader(dataset, t.global_batch_size, dp_rank=0, dp_size=args.dp, grad_accum=t.grad_accum_steps,
-                         seed=t.seed)
+    loader = BatchLoader(dataset, t.global_batch_size, dp_rank=0, dp_size=args.dp,
+                         grad_accum=t.grad_accum_steps, seed=t.seed)
     for step in range(args.steps):
         loader.microbatches(step)
     seconds = time.perf_counter() - built
     tokens = args.steps * t.global_batch_size * t.seq_len // args.dp
-    peak = int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
-    print(f"data.source={job.data.source}: windows ready in {built - started:.1f}s; {args.steps} batches of "
-          f"{t.global_batch_size // args.dp} x {t.seq_len} in {seconds:.2f}s: {tokens / seconds:,.0f} tokens/s; "
-          f"peak RSS {peak:,.0f} MiB")
+    peak = int(re.search(r"VmHWM:\s+(\d+) "
+                         r"kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+    print(f"data.source={job.data.source}: windows ready in {built - started:.1f}s; {args.steps} "
+          f"batches of {t.global_batch_size // args.dp} x {t.seq_len} in {seconds:.2f}s: "
+          f"{tokens / seconds:,.0f} tokens/s; peak RSS {peak:,.0f} MiB")
 
 
 if __name__ == "__main__":

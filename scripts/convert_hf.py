@@ -1,7 +1,8 @@
 """Converts between Hugging Face directories and this trainer's checkpoints.
 
-    python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME] [--write-config NAME]   # OUT: checkpoint.initial
-    python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH] [--dtype bfloat16] \
+    python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME] [--write-config NAME]   # OUT:
+    checkpoint.initial python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH]
+    [--dtype bfloat16] \
         [--max-shard-size 5GB]
 
 --write-config NAME also writes configs/model/NAME.yaml, the model HF_DIR holds, for `model=NAME`.
@@ -54,7 +55,8 @@ def from_hf(hf_dir: Path, out: Path, model: str | None, write_config: str | None
         model_config_path(write_config)  # (refused before any weight is written)
     tokenizer = held_tokenizer(hf_dir)
     save_weights(cfg, weights, out, tokenizer)
-    print(f"wrote {cfg.family} model {cfg.name} ({sum(w.numel() for w in weights.values()) / 1e6:.2f}M values) to {out}"
+    print(f"wrote {cfg.family} model {cfg.name} "
+          f"({sum(w.numel() for w in weights.values()) / 1e6:.2f}M values) to {out}"
           + (" with its tokenizer" if tokenizer else "; no tokenizer.json beside the weights"))
     if write_config is not None:
         print(f"wrote {write_model_config(cfg, hf_dir)}: train it with model={write_config}")
@@ -66,9 +68,9 @@ def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_
     if not checkpoint.is_dir():
         raise ConfigError(f"{checkpoint} is not a folder")
     if not (checkpoint / MANIFEST).is_file():
-        raise ConfigError(f"{checkpoint} is not a checkpoint of this trainer: a checkpoint is a folder holding "
-                          f"{MANIFEST} (a run's checkpoints/step_N, a seed, a from-hf output); give one, or a run's "
-                          f"output_dir for its newest")
+        raise ConfigError(f"{checkpoint} is not a checkpoint of this trainer: a checkpoint is a "
+                          f"folder holding {MANIFEST} (a run's checkpoints/step_N, a seed, a "
+                          "from-hf output); give one, or a run's output_dir for its newest")
     cfg = model_config(model) if model is not None else saved_config(checkpoint)
     if cfg is None:
         raise ConfigError(f"{checkpoint} has no {MODEL_CONFIG}; name the model with --model")
@@ -76,18 +78,20 @@ def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_
     if tokenizer is not None and tokenizer != "bytes":
         check_vocabulary(tokenizer, cfg.vocab_size)
     shards = export_hf(checkpoint, cfg, out, getattr(torch, dtype), shard_bytes(max_shard_size))
-    print(f"wrote {cfg.family} model {cfg.name} to {out} in {dtype}, {shards} shard{'s' if shards > 1 else ''}")
+    print(f"wrote {cfg.family} model {cfg.name} to {out} in {dtype}, {shards} "
+          f"shard{'s' if shards > 1 else ''}")
     if tokenizer is None:
         write_special_ids(out, {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
-        print(f"no tokenizer: {checkpoint} holds none and names no run's data.tokenizer; config.json has no "
-              f"bos/eos ids. Pass --tokenizer PATH (the run's data.tokenizer) to write both")
+        print(f"no tokenizer: {checkpoint} holds none and names no run's data.tokenizer; "
+              "config.json has no bos/eos ids. Pass --tokenizer PATH (the run's data.tokenizer) to "
+              "write both")
         return
     ids = special_ids(tokenizer)
     write_special_ids(out, ids)
     said = ", ".join(f"{k.removesuffix('_token_id')} {v}" for k, v in ids.items() if v is not None)
     if tokenizer == "bytes":
-        print(f"no tokenizer files: the run trained on UTF-8 bytes, which transformers has no tokenizer for; "
-              f"config.json and generation_config.json say {said}")
+        print("no tokenizer files: the run trained on UTF-8 bytes, which transformers has no "
+              f"tokenizer for; config.json and generation_config.json say {said}")
     else:
         written = export_tokenizer(tokenizer, out)
         print(f"wrote the tokenizer from {tokenizer} ({', '.join(written)}); config.json and "
@@ -109,7 +113,8 @@ def write_model_config(cfg, hf_dir: Path) -> Path:
     from omegaconf import OmegaConf
 
     path = model_config_path(cfg.name)
-    path.write_text(f"# The model of {hf_dir.resolve()} (scripts/convert_hf.py from-hf --write-config).\n"
+    path.write_text(f"# The model of {hf_dir.resolve()} (scripts/convert_hf.py from-hf "
+                    "--write-config).\n"
                     + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return path
 
@@ -123,7 +128,8 @@ def run_tokenizer(checkpoint: Path) -> str | None:
     from omegaconf import OmegaConf
 
     saved = OmegaConf.load(config)
-    spec = resolve_tokenizer(saved.get("data", {}).get("tokenizer", "bytes"), saved.get("data", {}).get("source", ""),
+    spec = resolve_tokenizer(saved.get("data", {}).get("tokenizer", "bytes"),
+                             saved.get("data", {}).get("source", ""),
                              saved.get("checkpoint", {}).get("initial"))
     return spec if spec == "bytes" or Path(spec).exists() else None
 
@@ -133,8 +139,9 @@ def check_vocabulary(tokenizer: str, vocab_size: int) -> None:
 
     needed = build_tokenizer(tokenizer).vocab_size
     if needed > vocab_size:
-        raise ConfigError(f"the tokenizer {tokenizer} has ids up to {needed - 1}, beyond the model's "
-                          f"vocabulary of {vocab_size}: not the tokenizer this model was trained with")
+        raise ConfigError(f"the tokenizer {tokenizer} has ids up to {needed - 1}, beyond the "
+                          f"model's vocabulary of {vocab_size}: not the tokenizer this model was "
+                          "trained with")
 
 
 def shard_bytes(size: str) -> int:
@@ -146,29 +153,35 @@ def shard_bytes(size: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ConfigError(f"--max-shard-size={size} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+        raise ConfigError(f"--max-shard-size={size} is not a size; write e.g. 5GB, 500MB or a "
+                          "number of bytes")
     return int(value)
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("direction", choices=["from-hf", "to-hf"])
     parser.add_argument("source", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", help="a model config name (configs/model/NAME.yaml)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="to-hf: the dtype written (default bfloat16)")
-    parser.add_argument("--max-shard-size", default="5GB", help="to-hf: the largest shard file (default 5GB)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="to-hf: the largest shard file (default 5GB)")
     parser.add_argument("--write-config", metavar="NAME",
-                        help="from-hf: also write configs/model/NAME.yaml, the model the directory holds")
-    parser.add_argument("--tokenizer", help="to-hf: the tokenizer to write, when the checkpoint holds none "
-                                            "(a tokenizer.json, or a folder holding one)")
+                        help="from-hf: also write configs/model/NAME.yaml, the model the directory "
+                             "holds")
+    parser.add_argument("--tokenizer",
+                        help="to-hf: the tokenizer to write, when the checkpoint holds none "
+                             "(a tokenizer.json, or a folder holding one)")
     args = parser.parse_args(argv)
     try:
         if args.direction == "from-hf":
             from_hf(args.source, args.out, args.model, args.write_config)
         else:
-            to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size, args.tokenizer)
+            to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size,
+                  args.tokenizer)
     except ConfigError as e:
         sys.stderr.write(f"config error: {e}\n")
         sys.exit(2)

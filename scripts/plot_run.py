@@ -1,9 +1,10 @@
-"""A run's curves as one PNG, or several runs' overlaid: loss (validation loss dashed), gradient norm,
-learning rate, tokens/s and rank 0's peak memory against step, each run named in the legend by its
-folder, its layout and the config values in which the runs differ.
+"""A run's curves as one PNG, or several runs' overlaid: loss (validation loss dashed), gradient
+norm, learning rate, tokens/s and rank 0's peak memory against step, each run named in the legend by
+its folder, its layout and the config values in which the runs differ.
 
-    python scripts/plot_run.py outputs/llama_fsdp                  # writes outputs/llama_fsdp/curves.png
-    python scripts/plot_run.py outputs/a outputs/b --out both.png  # two runs on the same axes
+    python scripts/plot_run.py outputs/llama_fsdp                  # writes
+    outputs/llama_fsdp/curves.png python scripts/plot_run.py outputs/a outputs/b --out both.png  #
+    two runs on the same axes
 
 Needs matplotlib: pip install -e ".[plot]". Exit 2 on bad input (a folder without metrics.jsonl).
 """
@@ -19,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.observe.compare import Run, read_run  # noqa: E402
 
 # Each panel: its title and the metrics.jsonl keys it draws (the second one dashed).
-PANELS = [("loss", ("loss", "val_loss")), ("gradient norm", ("grad_norm",)), ("learning rate", ("lr",)),
-          ("tokens/s (whole job)", ("tokens_per_s",)), ("peak memory, rank 0 (GiB)", ("mem_gib",)),
+PANELS = [("loss", ("loss", "val_loss")), ("gradient norm", ("grad_norm",)),
+          ("learning rate", ("lr",)), ("tokens/s (whole job)", ("tokens_per_s",)),
+          ("peak memory, rank 0 (GiB)", ("mem_gib",)),
           ("slowest rank's step / the median rank's", ("slowest_rank_ratio",))]
 
 
@@ -42,8 +44,10 @@ def flat(config: dict, prefix: str = "") -> dict:
 def names(runs: list[Run]) -> list[str]:
     """Each run's legend name: its folder and layout, and the config values in which the runs differ
     (optim.name=muon beside adamw), so that no two runs read alike."""
-    configs = [{k: v for k, v in flat(run.config).items() if not k.startswith(NOT_COMPARED)} for run in runs]
-    differing = sorted({k for c in configs for k in c if any(c.get(k) != other.get(k) for other in configs)})
+    configs = [{k: v for k, v in flat(run.config).items() if not k.startswith(NOT_COMPARED)}
+               for run in runs]
+    differing = sorted({k for c in configs for k in c
+                        if any(c.get(k) != other.get(k) for other in configs)})
     return [f"{run.path.name} ({run.layout})" + "".join(f" {k}={c.get(k)}" for k in differing)
             for run, c in zip(runs, configs)]
 
@@ -59,7 +63,8 @@ def plot(runs: list[Run]):
     for axis, (title, keys) in zip(grid.flat, PANELS):
         for colour, (run, name) in enumerate(zip(runs, names(runs))):
             for key, style in zip(keys, ("-", "--")):
-                points = [(s, row[key]) for s, row in sorted(run.steps.items()) if row.get(key) is not None]
+                points = [(s, row[key]) for s, row in sorted(run.steps.items())
+                          if row.get(key) is not None]
                 if points:
                     label = name + (f" {key}" if key != keys[0] else "")
                     marker = "." if style == "--" else None  # validation: a few points
@@ -74,9 +79,11 @@ def plot(runs: list[Run]):
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="output_dir of each run")
-    parser.add_argument("--out", help="the PNG to write (default: curves.png in the first run's folder)")
+    parser.add_argument("--out",
+                        help="the PNG to write (default: curves.png in the first run's folder)")
     args = parser.parse_args(argv)
     try:
         runs = [read_run(path) for path in args.runs]

@@ -2,8 +2,9 @@
 when the vocabulary fits, else uint32) in OUT, described by OUT.json; train with
 `data.source=binary data.path=OUT`.
 
-    python scripts/prepare_data.py 'corpus/*.txt' data/corpus.bin [--tokenizer PATH|bytes] [--workers 4]
-    python scripts/prepare_data.py 'corpus/*.jsonl' data/corpus.bin --source json --text-field text
+    python scripts/prepare_data.py 'corpus/*.txt' data/corpus.bin [--tokenizer PATH|bytes]
+    [--workers 4] python scripts/prepare_data.py 'corpus/*.jsonl' data/corpus.bin --source json
+    --text-field text
 
 The documents (each text file, or each row of json/jsonl/parquet files) are cut into pieces that
 several processes tokenize at once, in order: the same stream as `data.source=text` (or json,
@@ -34,7 +35,8 @@ GROUP_CHARS = 4 * CHUNK_CHARS  # text handed to a worker at once
 
 
 def _groups(pieces_):
-    """Consecutive pieces in groups of about GROUP_CHARS characters (many small documents make one)."""
+    """Consecutive pieces in groups of about GROUP_CHARS characters (many small documents make
+    one)."""
     group, size = [], 0
     for piece in pieces_:
         group.append(piece)
@@ -50,7 +52,8 @@ def _tokenize(group: list, spec: str) -> tuple[np.ndarray, int]:
     return encode_pieces(group, build_tokenizer(spec)), sum(len(text) for text, _, _ in group)
 
 
-def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: str, workers: int) -> dict:
+def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: str,
+            workers: int) -> dict:
     tok = build_tokenizer(tokenizer)
     problems = Problems(strict=False)
     groups = _groups(pieces(documents(source, pattern, text_field, problems)))
@@ -72,22 +75,27 @@ def prepare(pattern: str, out: Path, source: str, text_field: str, tokenizer: st
                 write(pending.popleft())
         while pending:
             write(pending.popleft())
-        meta = writer.finish(tokenizer=tokenizer, source=source, path=pattern, text_field=text_field)
+        meta = writer.finish(tokenizer=tokenizer, source=source, path=pattern,
+                             text_field=text_field)
     seconds = time.perf_counter() - started
     for line in problems.lines():
         print(line)
     tokens = meta["tokens"]
-    print(f"{tokens:,} tokens in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s ({workers} workers) -> {out}")
+    print(f"{tokens:,} tokens in {seconds:.1f}s: {tokens / seconds:,.0f} tokens/s ({workers} "
+          f"workers) -> {out}")
     return meta
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", help="a glob of files (quote it)")
     parser.add_argument("out", type=Path)
     parser.add_argument("--source", choices=("text", "json", "parquet"), default="text")
-    parser.add_argument("--text-field", default="text", help="the column holding the text (json, parquet)")
-    parser.add_argument("--tokenizer", default="bytes", help="bytes, or a tokenizer.json or a directory holding one")
+    parser.add_argument("--text-field", default="text",
+                        help="the column holding the text (json, parquet)")
+    parser.add_argument("--tokenizer", default="bytes",
+                        help="bytes, or a tokenizer.json or a directory holding one")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     try:

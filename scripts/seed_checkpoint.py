@@ -21,9 +21,11 @@ from trainer.models import build_model, model_config  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--model", default="llama_debug", help="a model config name (configs/model/NAME.yaml)")
+    parser.add_argument("--model", default="llama_debug",
+                        help="a model config name (configs/model/NAME.yaml)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:

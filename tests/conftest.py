@@ -1,7 +1,8 @@
-"""Keeps the suite's token and compiled-kernel caches out of the user's (one folder each for the session,
-inherited by the ranks the tests launch), and keeps the fast tier fast: a test that starts a process, in its body or in
-any fixture it sets up (of any scope), must be marked `multiprocess` (or `tool`: one short command that starts no
-ranks), or it fails saying so. TRAINER_TEST_HIDE (below) hides packages."""
+"""Keeps the suite's token and compiled-kernel caches out of the user's (one folder each for the
+session, inherited by the ranks the tests launch), and keeps the fast tier fast: a test that starts
+a process, in its body or in any fixture it sets up (of any scope), must be marked `multiprocess`
+(or `tool`: one short command that starts no ranks), or it fails saying so. TRAINER_TEST_HIDE
+(below) hides packages."""
 
 import contextlib
 import multiprocessing.process
@@ -13,13 +14,13 @@ import tempfile
 import pytest
 
 os.environ.setdefault("TRAINER_CACHE", tempfile.mkdtemp(prefix="trainer-cache-"))
-# Inductor's compiled kernels too: a cache left by other runs can hold kernels that corrupt the heap (seen:
-# the float8 pp2 compile row aborting in malloc after runs killed mid-compile and runs with
+# Inductor's compiled kernels too: a cache left by other runs can hold kernels that corrupt the heap
+# (seen: the float8 pp2 compile row aborting in malloc after runs killed mid-compile and runs with
 # ATEN_CPU_CAPABILITY=avx2; which of the two, not established; a fresh cache passes).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cache-"))
-# TRAINER_TEST_HIDE=torchao,torchft: those packages import as if they were not installed (None in sys.modules:
-# `import` raises ModuleNotFoundError, importlib's find_spec answers None), as with only .[dev] installed
-# (tests/test_extras.py runs the fast tier so).
+# TRAINER_TEST_HIDE=torchao,torchft: those packages import as if they were not installed (None in
+# sys.modules: `import` raises ModuleNotFoundError, importlib's find_spec answers None), as with
+# only .[dev] installed (tests/test_extras.py runs the fast tier so).
 for _name in filter(None, os.environ.get("TRAINER_TEST_HIDE", "").split(",")):
     sys.modules[_name] = None
 

@@ -46,7 +46,8 @@ NEEDS_TORCHFT = needs("torchft", "ft")
 def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_args: tuple = (),
                      rendezvous: tuple = ("--standalone",), launcher: str = "torch.distributed.run",
                      script: str = TRAIN) -> list[str]:
-    """torchrun (or `launcher`, a module taking its arguments) running train.py (or `script`) on `nproc` local ranks."""
+    """torchrun (or `launcher`, a module taking its arguments) running train.py (or `script`) on
+    `nproc` local ranks."""
     return [
         sys.executable, "-m", launcher, *rendezvous, f"--nproc_per_node={nproc}", *launcher_args,
         script, *overrides, f"output_dir={output_dir}",
@@ -55,41 +56,50 @@ def torchrun_command(nproc: int, *overrides: str, output_dir: Path, launcher_arg
 
 def torchrun(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
              env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs train.py on `nproc` local gloo ranks (`env` adds to their environment); output goes to `output_dir`."""
+    """Runs train.py on `nproc` local gloo ranks (`env` adds to their environment); output goes to
+    `output_dir`."""
     script, env = warm_train(env)
     cmd = torchrun_command(nproc, *overrides, output_dir=output_dir, script=script)
-    return subprocess.run(cmd, cwd=REPO, env={**ENV, **env}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env={**ENV, **env}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def warm_train(env: dict | None) -> tuple[str, dict]:
-    """The train.py for torchrun to start, and `env` for its run: tests/warm/train.py (the ranks forked from
-    the warm launcher) unless `env` sets what is read at start-up."""
+    """The train.py for torchrun to start, and `env` for its run: tests/warm/train.py (the ranks
+    forked from the warm launcher) unless `env` sets what is read at start-up."""
     if set(env or {}) <= WARM_ENV:
         return WARM_TRAIN, {**(env or {}), "WARM_LAUNCHER": str(WarmLauncher.get().socket)}
     return TRAIN, env or {}
 
 
 def run_script(script: Path, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python script args...` (output captured), forked from the warm launcher (tests/warm/run.py)."""
+    """`python script args...` (output captured), forked from the warm launcher
+    (tests/warm/run.py)."""
     env = {**os.environ, "WARM_LAUNCHER": str(WarmLauncher.get().socket)}
-    return subprocess.run([sys.executable, str(REPO / "tests" / "warm" / "run.py"), str(script), *map(str, args)],
+    return subprocess.run([sys.executable, str(REPO / "tests" / "warm" / "run.py"), str(script),
+                           *map(str, args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def launch(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300,
            env: dict | None = None) -> subprocess.CompletedProcess:
     """Like torchrun(), with the ranks forked from one process (tests/launch.py), itself forked from
-    the suite's warm launcher (tests/launch_server.py) unless `env` sets what is read at start-up."""
-    cmd = [sys.executable, str(REPO / "tests" / "launch.py"), str(nproc), *overrides, f"output_dir={output_dir}"]
-    if nproc == 1 and "OMP_NUM_THREADS" not in (env or {}):  # as torchrun leaves it: every core to one rank
+    the suite's warm launcher (tests/launch_server.py) unless `env` sets what is read at
+    start-up."""
+    cmd = [sys.executable, str(REPO / "tests" / "launch.py"), str(nproc), *overrides,
+           f"output_dir={output_dir}"]
+    # as torchrun leaves it: every core to one rank
+    if nproc == 1 and "OMP_NUM_THREADS" not in (env or {}):
         env = {**(env or {}), "OMP_NUM_THREADS": str(os.cpu_count())}
     if set(env or {}) <= WARM_ENV:
-        return WarmLauncher.get().run(cmd, nproc, [*overrides, f"output_dir={output_dir}"], env, timeout)
-    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+        return WarmLauncher.get().run(cmd, nproc, [*overrides, f"output_dir={output_dir}"], env,
+                                      timeout)
+    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
-# The settings a warm launcher's runs may change: read after start-up (tests/launch.py sets the ranks'
-# thread count from OMP_NUM_THREADS).
+# The settings a warm launcher's runs may change: read after start-up (tests/launch.py sets the
+# ranks' thread count from OMP_NUM_THREADS).
 WARM_ENV = {"TRAINER_FAULTS", "OMP_NUM_THREADS"}
 
 
@@ -107,23 +117,30 @@ class WarmLauncher:
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="warm-launcher-"))
         self.socket = self.folder / "socket"
-        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "launch_server.py"), str(self.socket)],
-                                       cwd=REPO, env=ENV, stdin=subprocess.DEVNULL, start_new_session=True,
-                                       stdout=open(self.folder / "server.log", "w"), stderr=subprocess.STDOUT)
+        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "launch_server.py"),
+                                        str(self.socket)],
+                                       cwd=REPO, env=ENV, stdin=subprocess.DEVNULL,
+                                       start_new_session=True,
+                                       stdout=open(self.folder / "server.log", "w"),
+                                       stderr=subprocess.STDOUT)
         atexit.register(self.close)
         deadline = time.monotonic() + 120
         while not self.socket.exists():
             if self.server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the warm launcher did not start: {(self.folder / 'server.log').read_text()}")
+                raise RuntimeError("the warm launcher did not start: "
+                                   f"{(self.folder / 'server.log').read_text()}")
             time.sleep(0.05)
 
-    def start(self, nproc: int, overrides: list[str], env: dict | None, stdout, stderr=subprocess.STDOUT) -> WarmRun:
-        """`python tests/launch.py nproc overrides...`, forked, writing to the open files `stdout` and
-        `stderr` (or stdout): a handle like subprocess.Popen's. Its ranks are in its session."""
-        request = {"nproc": nproc, "overrides": overrides, "env": {**ENV, **(env or {})}, "cwd": str(REPO)}
+    def start(self, nproc: int, overrides: list[str], env: dict | None, stdout,
+              stderr=subprocess.STDOUT) -> WarmRun:
+        """`python tests/launch.py nproc overrides...`, forked, writing to the open files `stdout`
+        and `stderr` (or stdout): a handle like subprocess.Popen's. Its ranks are in its session."""
+        request = {"nproc": nproc, "overrides": overrides, "env": {**ENV, **(env or {})},
+                   "cwd": str(REPO)}
         err = stdout if stderr == subprocess.STDOUT else stderr
         with open(os.devnull) as null:
-            return WarmRun(str(self.socket), request, (null.fileno(), stdout.fileno(), err.fileno()),
+            return WarmRun(str(self.socket), request,
+                           (null.fileno(), stdout.fileno(), err.fileno()),
                            ["tests/launch.py", str(nproc), *overrides])
 
     def run(self, cmd: list[str], nproc: int, overrides: list[str], env: dict | None,
@@ -177,7 +194,8 @@ def failure_report(result: subprocess.CompletedProcess) -> str:
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line)
+            for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def by_step(records: list[dict]) -> dict[int, dict]:
@@ -207,7 +225,8 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     try:
         fn(rank, world_size, *args)
     finally:
-        gc.collect()  # free FSDP's cyclic state before the groups go (see trainer.distributed.shutdown)
+        # free FSDP's cyclic state before the groups go (see trainer.distributed.shutdown)
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -219,7 +238,8 @@ mp.set_forkserver_preload(["torch", "torch.distributed", "trainer", "trainer.run
 def spawn(fn, world_size: int, *args, timeout: float = 180) -> None:
     """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; fn must be module-level."""
     context = mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="forkserver"
+        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False,
+        start_method="forkserver"
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
@@ -229,15 +249,16 @@ def spawn(fn, world_size: int, *args, timeout: float = 180) -> None:
             raise TimeoutError(f"{world_size} ranks did not finish within {timeout}s")
 
 
-def start(nproc: int, *overrides: str, output_dir: Path, log: Path | None = None, env: dict | None = None,
-          **launch) -> subprocess.Popen:
+def start(nproc: int, *overrides: str, output_dir: Path, log: Path | None = None,
+          env: dict | None = None, **launch) -> subprocess.Popen:
     """Starts torchrun (torchrun_command's `launch` arguments) in the background; its output goes
     to `log` (default: beside output_dir, named after it)."""
     log = open(log or output_dir.parent / f"{output_dir.name}.log", "w")
     script, env = warm_train(env)
-    return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir, script=script, **launch),
-                            cwd=REPO, env={**ENV, **env}, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(torchrun_command(nproc, *overrides, output_dir=output_dir,
+                                             script=script, **launch),
+                            cwd=REPO, env={**ENV, **env}, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 def wait_for(condition, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -258,7 +279,8 @@ def finish(process: subprocess.Popen, timeout: float = 180) -> int:
 
 
 def kill(process: subprocess.Popen) -> None:
-    """Kills the launcher, torchrun and its ranks (each in a session of its own: found by parent pid)."""
+    """Kills the launcher, torchrun and its ranks (each in a session of its own: found by parent
+    pid)."""
     for pid in descendants(process.pid):
         try:
             os.kill(pid, signal.SIGKILL)

@@ -1,4 +1,5 @@
-"""`python tests/launch.py N train.py-overrides...`: train.py on N local ranks, forked from one process.
+"""`python tests/launch.py N train.py-overrides...`: train.py on N local ranks, forked from one
+process.
 
 What torchrun does for a local job, less its cost on this suite's two cores: torchrun's own start
 (~2 s importing torch before any rank exists) and every rank importing torch and the trainer (~3 s
@@ -24,7 +25,8 @@ TRAIN = str(REPO / "train.py")
 def _rank(rank: int, nproc: int, port: int, overrides: list[str]) -> int:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+        GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT="0",
     )
     return run_script(TRAIN, overrides)
 
@@ -33,7 +35,8 @@ def run_script(script: str, args: list[str]) -> int:
     """`python script args...` in this process (torch imported already): its exit status."""
     sys.argv = [script, *args]
     sys.path[0] = str(Path(script).parent)  # as python sets it for a script
-    if "OMP_NUM_THREADS" in os.environ:  # torch read it at import, in the warm launcher with that one's value
+    # torch read it at import, in the warm launcher with that one's value
+    if "OMP_NUM_THREADS" in os.environ:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

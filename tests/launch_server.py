@@ -1,4 +1,5 @@
-"""`python tests/launch_server.py SOCKET`: the trainer imported once for the whole suite, runs forked from it.
+"""`python tests/launch_server.py SOCKET`: the trainer imported once for the whole suite, runs
+forked from it.
 
 Every run of the suite would otherwise import torch, torch.distributed and the trainer first (~2.5 s
 a process on two cores). This server imports them once and, for each request on the Unix socket

@@ -20,8 +20,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def page_faults(mode: str) -> int:
-    result = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=REPO, env=ENV, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=REPO, env=ENV,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return int(result.stdout.split()[-1])
 

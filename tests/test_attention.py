@@ -36,7 +36,8 @@ def cases():
     against all the keys (the all-gather method), causal by index, or within documents; a whole
     sequence within documents."""
     # Documents: token 0 (EOS) ends one, about one token in five.
-    positions = document_positions(torch.randint(0, 5, (2, 40), generator=torch.Generator().manual_seed(0)), eos_id=0)
+    tokens = torch.randint(0, 5, (2, 40), generator=torch.Generator().manual_seed(0))
+    positions = document_positions(tokens, eos_id=0)
     starts = torch.arange(40) - positions
     later, every = torch.arange(16, 40), torch.arange(40)
     yield "causal", True, 40, 40, None
@@ -49,7 +50,8 @@ def cases():
 def inputs(rows, cols, kv_heads, dtype, seed, v_width=16):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, rows, 16, generator=g)
-    k, v = torch.randn(2, kv_heads, cols, 16, generator=g), torch.randn(2, kv_heads, cols, v_width, generator=g)
+    k, v = (torch.randn(2, kv_heads, cols, 16, generator=g),
+            torch.randn(2, kv_heads, cols, v_width, generator=g))
     return [x.to(dtype).requires_grad_() for x in (q, k, v)]
 
 
@@ -59,12 +61,14 @@ def relative_error(mine, expected) -> float:
 
 @pytest.mark.parametrize("kernel", ["sdpa", "cpu_flash", "math"])
 def test_kernel_and_its_gradients_match_float64_attention(kernel, monkeypatch):
-    monkeypatch.setattr(kernels, "KERNELS", {"cpu": {"attention": kernel, "masked attention": kernel}})
+    monkeypatch.setattr(kernels, "KERNELS",
+                        {"cpu": {"attention": kernel, "masked attention": kernel}})
     # Values as wide as the keys, and narrower (MLA's: the fused kernels see them padded).
     for dtype, kv_heads, v_width, (name, causal, rows, cols, mask) in itertools.product(
             (torch.float32, torch.bfloat16), (4, 2, 1), (16, 8), cases()):
         q, k, v = inputs(rows, cols, kv_heads, dtype, seed=rows + kv_heads, v_width=v_width)
-        grad_out = torch.randn(*q.shape[:-1], v_width, generator=torch.Generator().manual_seed(1)).to(dtype)
+        seeded = torch.Generator().manual_seed(1)
+        grad_out = torch.randn(*q.shape[:-1], v_width, generator=seeded).to(dtype)
         out = attention(q, k, v, causal, mask)
         assert out.dtype == dtype
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -72,7 +76,8 @@ def test_kernel_and_its_gradients_match_float64_attention(kernel, monkeypatch):
         expected = reference(q64, k64, v64, causal, mask)
         expected_grads = torch.autograd.grad(expected, (q64, k64, v64), grad_out.double())
         where = f"{kernel} {dtype} kv_heads={kv_heads} v_width={v_width} {name}"
-        for what, mine, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *expected_grads)):
+        for what, mine, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                                      (expected, *expected_grads)):
             assert mine.dtype == dtype, f"{where}: {what} is {mine.dtype}"
             error = relative_error(mine, theirs)
             assert error < TOLERANCE[dtype], f"{where}: {what} off by {error}"
@@ -80,19 +85,23 @@ def test_kernel_and_its_gradients_match_float64_attention(kernel, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
 def test_flex_attention_block_mask_matches_float64_attention(monkeypatch):
-    # CPU FlexAttention has no backward (torch 2.13): its forward checks the block mask built from `Mask`.
+    # CPU FlexAttention has no backward (torch 2.13): its
+    # forward checks the block mask built from `Mask`.
     monkeypatch.setattr(kernels, "KERNELS", {"cpu": {"masked attention": "flex"}})
     for v_width, (name, causal, rows, cols, mask) in itertools.product((16, 8), cases()):
         if mask is None:
             continue
-        q, k, v = (x.detach() for x in inputs(rows, cols, 2, torch.float32, seed=rows, v_width=v_width))
+        q, k, v = (x.detach() for x in inputs(rows, cols, 2, torch.float32, seed=rows,
+                                              v_width=v_width))
         out = attention(q, k, v, causal, mask)
-        assert relative_error(out, reference(q, k, v, causal, mask)) < TOLERANCE[torch.float32], (name, v_width)
+        expected = reference(q, k, v, causal, mask)
+        assert relative_error(out, expected) < TOLERANCE[torch.float32], (name, v_width)
 
 
-def test_the_memory_efficient_backward_gets_the_output_laid_out_as_its_forward_wrote_it(monkeypatch):
-    # CUDA's kernel: in half precision it reads the output at a row stride of heads x width, whatever
-    # the tensor's strides say; an output [b, heads, rows, d]-contiguous gave wrong gradients on an H200.
+def test_the_memory_efficient_backward_gets_the_output_laid_out_as_its_forward_made_it(monkeypatch):
+    # CUDA's kernel: in half precision it reads the output at a row stride of heads x width,
+    # whatever the tensor's strides say; an output [b, heads,
+    # rows, d]-contiguous gave wrong gradients on an H200.
     given = {}
 
     def kernel(dout, q, k, v, bias, out, *rest):

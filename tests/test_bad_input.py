@@ -1,5 +1,5 @@
-"""Input files of the wrong kind, and converter mistakes: each one `config error:` naming the file and
-what to do, never a traceback from the library underneath."""
+"""Input files of the wrong kind, and converter mistakes: each one `config error:` naming the file
+and what to do, never a traceback from the library underneath."""
 
 import json
 import re
@@ -23,39 +23,51 @@ import convert_hf  # noqa: E402
 
 def test_a_tokenizer_file_that_is_not_a_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text("not json at all")
-    with pytest.raises(ConfigError, match=r"^data.tokenizer=.*tokenizer.json is not a tokenizer the tokenizers"):
+    with pytest.raises(ConfigError,
+                       match=r"^data.tokenizer=.*tokenizer.json is not a tokenizer the tokenizers"):
         build_tokenizer(str(tmp_path))
 
 
 def test_a_parquet_source_that_is_not_parquet(tmp_path):
     (tmp_path / "a.parquet").write_text("hello, I am text")
-    (tmp_path / "b.parquet").write_bytes(b"")  # empty: counted and passed over, like an empty text file
-    with pytest.raises(ConfigError, match=r"a.parquet is not a parquet file \(data.source=parquet\)"):
+    # empty: counted and passed over, like an empty text file
+    (tmp_path / "b.parquet").write_bytes(b"")
+    with pytest.raises(ConfigError,
+                       match=r"a.parquet is not a parquet file \(data.source=parquet\)"):
         list(documents("parquet", str(tmp_path / "*.parquet")))
 
 
-QWEN3 = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10, "intermediate_size": 8,
-         "rms_norm_eps": 1e-6, "head_dim": 8}
+QWEN3 = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10,
+         "intermediate_size": 8, "rms_norm_eps": 1e-6, "head_dim": 8}
 
 
 @pytest.mark.parametrize("config, message", [
     (None, r"is not a Hugging Face model directory: it has no config.json"),
     ("{not json", r"config.json is not JSON"),
-    ({"model_type": "llama", "num_hidden_layers": 2}, r"config.json lacks hidden_size, num_attention_heads"),
-    ({"model_type": "gpt2", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10,
-      "intermediate_size": 8, "rms_norm_eps": 1e-5}, r"model_type=gpt2 is not supported \(deepseek_v3, llama, "
+    ({"model_type": "llama", "num_hidden_layers": 2},
+     r"config.json lacks hidden_size, num_attention_heads"),
+    ({"model_type": "gpt2", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "vocab_size": 10,
+      "intermediate_size": 8, "rms_norm_eps": 1e-5},
+     r"model_type=gpt2 is not supported \(deepseek_v3, llama, "
                                                       r"mixtral, qwen3, qwen3_moe\)"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"], **QWEN3},
      r"architectures=\['Qwen3ForSequenceClassification'\] is not supported \(Qwen3ForCausalLM"),
-    ({"model_type": "qwen3", "use_sliding_window": True, **QWEN3}, r"use_sliding_window=True is not supported"),
-    ({"model_type": "qwen3_moe", "decoder_sparse_step": 2, "num_experts": 4, "num_experts_per_tok": 2,
-      "moe_intermediate_size": 8, **QWEN3}, r"dense layers between the sparse ones \(decoder_sparse_step"),
-    ({"model_type": "mixtral", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10,
-      "intermediate_size": 8, "rms_norm_eps": 1e-5}, r"config.json lacks num_local_experts: not a mixtral config"),
+    ({"model_type": "qwen3", "use_sliding_window": True, **QWEN3},
+     r"use_sliding_window=True is not supported"),
+    ({"model_type": "qwen3_moe", "decoder_sparse_step": 2, "num_experts": 4,
+      "num_experts_per_tok": 2,
+      "moe_intermediate_size": 8, **QWEN3},
+     r"dense layers between the sparse ones \(decoder_sparse_step"),
+    ({"model_type": "mixtral", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "vocab_size": 10,
+      "intermediate_size": 8, "rms_norm_eps": 1e-5},
+     r"config.json lacks num_local_experts: not a mixtral config"),
 ])
 def test_a_hugging_face_directory_that_is_not_one(tmp_path, config, message):
     if config is not None:
-        (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        (tmp_path / "config.json").write_text(config if isinstance(config, str)
+                                              else json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         config_from_hf(tmp_path)
 
@@ -65,14 +77,15 @@ def test_the_converter_says_one_config_error_line(tmp_path, capsys):
         convert_hf.main(["from-hf", str(tmp_path / "missing"), str(tmp_path / "out")])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: ") and err.count("\n") == 1 and "missing is not a Hugging Face model" in err
+    assert (err.startswith("config error: ") and err.count("\n") == 1
+            and "missing is not a Hugging Face model" in err)
     (tmp_path / "notes").mkdir()  # a folder, not a checkpoint: said so (it asked for --model)
     with pytest.raises(SystemExit) as stop:
         convert_hf.main(["to-hf", str(tmp_path / "notes"), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"config error: {tmp_path / 'notes'} is not a checkpoint of this trainer: a checkpoint "
-                          f"is a folder holding manifest.json"), err
+    assert err.startswith(f"config error: {tmp_path / 'notes'} is not a checkpoint of this "
+                          "trainer: a checkpoint is a folder holding manifest.json"), err
 
 
 def run_train(argv: list[str]) -> int:
@@ -99,11 +112,12 @@ def _text_file(tmp_path: Path, name: str = "a.txt") -> str:
 EVERY_TURN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def _chat(tmp_path: Path, row: dict | None = None, template: str | None = "{{ messages[0]['content'] }}",
-          empty: bool = False) -> list[str]:
-    """Overrides for chat data of one row (a good one by default; none if `empty`) and a template file
-    (None: none)."""
-    row = row or {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+def _chat(tmp_path: Path, row: dict | None = None,
+          template: str | None = "{{ messages[0]['content'] }}", empty: bool = False) -> list[str]:
+    """Overrides for chat data of one row (a good one by default; none if `empty`) and a template
+    file (None: none)."""
+    row = row or {"messages": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "hello"}]}
     (tmp_path / "chat.jsonl").write_text("" if empty else json.dumps(row) + "\n")
     overrides = ["data.source=json", f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat"]
     if template is not None:
@@ -116,144 +130,213 @@ def _chat(tmp_path: Path, row: dict | None = None, template: str | None = "{{ me
 MISTAKES = {
     "negative lr": (lambda p: ["training.lr=-1"], r"training.lr=-1.0 must be >= 0"),
     "tensorboard without its package": (lambda p: ["metrics.tensorboard.enabled=true"],
-                                        r"metrics.tensorboard.enabled=true needs the tensorboard package: pip install"),
-    "no health interval": (lambda p: ["metrics.health_every=0"], r"metrics.health_every=0 must be >= 1, or null"),
+                                        r"metrics.tensorboard.enabled=true needs the tensorboard "
+                                        r"package: pip install"),
+    "no health interval": (lambda p: ["metrics.health_every=0"],
+                           r"metrics.health_every=0 must be >= 1, or null"),
     "a slow-rank threshold of 1": (lambda p: ["metrics.slow_rank_threshold=1"],
                                    r"metrics.slow_rank_threshold=1.0 must be > 1"),
-    "zero batch": (lambda p: ["training.global_batch_size=0"], r"training.global_batch_size=0 must be >= 1"),
+    "zero batch": (lambda p: ["training.global_batch_size=0"],
+                   r"training.global_batch_size=0 must be >= 1"),
     "beta2 above one": (lambda p: ["optim.beta2=1.5"], r"optim.beta2=1.5 must be in \[0, 1\)"),
-    "unknown optimizer": (lambda p: ["optim=sgd"], r"optim=sgd is not a known optim; choose one of \['adamw', 'muon'"),
+    "unknown optimizer": (lambda p: ["optim=sgd"],
+                          r"optim=sgd is not a known optim; choose one of \['adamw', 'muon'"),
     "unknown optimizer name": (lambda p: ["optim.name=adafactor"],
-                               r"optim.name=adafactor is unknown; choose one of \['adamw', .*'muon'.*\]"),
+                               r"optim.name=adafactor is unknown; choose one of \['adamw', "
+                               r".*'muon'.*\]"),
     "Muon's key under AdamW": (lambda p: ["optim.ns_steps=3"],
-                               r"optim.ns_steps is not a config key \(of optim.name=adamw\); it is optim=muon's"),
-    "no Newton-Schulz step": (lambda p: ["optim=muon", "optim.ns_steps=0"], r"optim.ns_steps=0 must be >= 1"),
-    "Muon momentum of one": (lambda p: ["optim=muon", "optim.momentum=1.0"], r"optim.momentum=1.0 must be in \[0, 1\)"),
+                               r"optim.ns_steps is not a config key \(of optim.name=adamw\); it is "
+                               r"optim=muon's"),
+    "no Newton-Schulz step": (lambda p: ["optim=muon", "optim.ns_steps=0"],
+                              r"optim.ns_steps=0 must be >= 1"),
+    "Muon momentum of one": (lambda p: ["optim=muon", "optim.momentum=1.0"],
+                             r"optim.momentum=1.0 must be in \[0, 1\)"),
     "unknown RMS rule": (lambda p: ["optim=muon", "optim.muon.rms_match=spectral"],
-                         r"optim.muon.rms_match=spectral must be one of \['match_rms_adamw', 'original'\]"),
+                         r"optim.muon.rms_match=spectral must be one of \['match_rms_adamw', "
+                         r"'original'\]"),
     "unknown Newton-Schulz dtype": (lambda p: ["optim=muon", "optim.ns_dtype=float16"],
-                                    r"optim.ns_dtype=float16 must be one of \['auto', 'float32', 'bfloat16'\]"),
+                                    r"optim.ns_dtype=float16 must be one of \['auto', 'float32', "
+                                    r"'bfloat16'\]"),
     "zero dim": (lambda p: ["model.dim=0"], r"model.dim=0 must be >= 1"),
     "unknown selective policy": (lambda p: ["training.activation_checkpoint=selective",
                                             "training.selective_policy=some"],
-                                 r"training.selective_policy=some must be one of \['half_mm', 'ops'\]"),
+                                 r"training.selective_policy=some must be one of \['half_mm', "
+                                 r"'ops'\]"),
     "zero loss chunk": (lambda p: ["training.loss_chunk_tokens=0"],
                         r"training.loss_chunk_tokens=0 must be >= 1, or null"),
     "a group given a value": (lambda p: ["metrics.tensorboard=true"],
-                              r"metrics.tensorboard is a group of keys \(enabled\), not a value: did you mean "
-                              r"metrics.tensorboard.enabled=true\?"),
+                              r"metrics.tensorboard is a group of keys \(enabled\), not a value: "
+                              r"did you mean metrics.tensorboard.enabled=true\?"),
     "a layout of ranks without torchrun": (lambda p: ["+recipe=llama_tp2_pp4"],
-                                           r"this layout \(pp=4 x tp=2\) needs 8 ranks at least and `python train.py` "
-                                           r"is one process: launch it with torchrun --nproc_per_node=8 train.py"),
+                                           r"this layout \(pp=4 x tp=2\) needs 8 ranks at least "
+                                           r"and `python train.py` is one process: launch it with "
+                                           r"torchrun --nproc_per_node=8 train.py"),
     "misspelt key": (lambda p: ["training.stepz=5"],
                      r"training.stepz is not a config key; did you mean training.steps"),
     "misspelt key added": (lambda p: ["+training.stepz=5"],
                            r"training.stepz is not a config key; did you mean training.steps"),
-    "unknown recipe": (lambda p: ["+recipe=llama_nope"], r"recipe=llama_nope is not a known recipe; choose one of"),
-    "unknown model": (lambda p: ["model=llama_nope"], r"model=llama_nope is not a known model; choose one of"),
+    "unknown recipe": (lambda p: ["+recipe=llama_nope"],
+                       r"recipe=llama_nope is not a known recipe; choose one of"),
+    "unknown model": (lambda p: ["model=llama_nope"],
+                      r"model=llama_nope is not a known model; choose one of"),
     "unknown schedule": (lambda p: ["parallel.pp_schedule=nope"],
                          r"parallel.pp_schedule=nope is unknown; choose one of"),
-    "tp not dividing heads": (lambda p: ["parallel.tp=3"], r"parallel.tp=3 must divide model.n_heads=16"),
+    "tp not dividing heads": (lambda p: ["parallel.tp=3"],
+                              r"parallel.tp=3 must divide model.n_heads=16"),
     "sequence too long": (lambda p: ["training.seq_len=100000"],
                           r"training.seq_len=100000 must not exceed model.max_seq_len"),
     "missing data": (lambda p: ["data.source=text", f"data.path={p}/none/*.txt"],
                      r"data.path=.*none/\*.txt matches no readable file"),
     "tokenizer not json": (lambda p: ["data.source=text", f"data.path={_text_file(p)}",
-                                      f"data.tokenizer={_bad_tokenizer(p)}"], r"data.tokenizer=.*is not a tokenizer"),
-    "parquet that is not": (lambda p: ["data.source=parquet", f"data.path={_text_file(p, 'a.parquet')}"],
+                                      f"data.tokenizer={_bad_tokenizer(p)}"],
+                           r"data.tokenizer=.*is not a tokenizer"),
+    "parquet that is not": (lambda p: ["data.source=parquet",
+                                       f"data.path={_text_file(p, 'a.parquet')}"],
                             r"a.parquet is not a parquet file"),
     # Chat data.
     "chat rows without messages": (lambda p: _chat(p, {"text": "hi"}),
-                                   r"data.messages_field=messages: .*chat.jsonl row 1 has no list of \{role, "
-                                   r"content\} messages under it"),
-    "a role the template rejects": (lambda p: _chat(p, template="{% if messages[0]['role'] == 'user' %}"
-                                                    "{{ raise_exception('no user turns here') }}{% endif %}"),
-                                    r"data.chat_template: .*chat.jsonl row 1: TemplateError: no user turns here"),
+                                   r"data.messages_field=messages: .*chat.jsonl row 1 has no list "
+                                   r"of \{role, content\} messages under it"),
+    "a role the template rejects": (lambda p: _chat(p,
+                                                    template="{% if messages[0]['role'] == 'user' "
+                                                             "%}"
+                                                    "{{ raise_exception('no user turns here') }}{% "
+                                                    "endif %}"),
+                                    r"data.chat_template: .*chat.jsonl row 1: TemplateError: no "
+                                    r"user turns here"),
     "no chat template": (lambda p: _chat(p, template=None),
-                         r"data.format=chat needs a chat template and the bytes tokenizer has none: give one with "
-                         r"data.chat_template="),
+                         r"data.format=chat needs a chat template and the bytes tokenizer has "
+                         r"none: give one with data.chat_template="),
     "a template that does not render": (lambda p: _chat(p, template="{% for m in messages %}"),
-                                        r"data.chat_template: .*chat.jsonl row 1: TemplateSyntaxError: "),
-    "a template without the assistant's turns": (lambda p: _chat(p, template="{% for m in messages %}{% if m['role'] "
-                                                               "!= 'assistant' %}{{ m['content'] }}{% endif %}"
-                                                               "{% endfor %}"),
-                                                 r"data.chat_template: .*row 1: the template yields no text for "
-                                                 r"assistant turn 1"),
+                                        r"data.chat_template: .*chat.jsonl row 1: "
+                                        r"TemplateSyntaxError: "),
+    "a template without the assistant's "
+    "turns": (lambda p: _chat(p, template="{% for m in messages %}{% if m['role'] "
+                            "!= 'assistant' %}{{ m['content'] }}{% endif %}"
+                            "{% endfor %}"),
+              r"data.chat_template: .*row 1: the template yields no text for "
+              r"assistant turn 1"),
     "a role in another case": (lambda p: _chat(p, {"messages": [{"role": "user", "content": "hi"},
-                                                               {"role": "Assistant", "content": "hello"}]}),
-                               r"chat.jsonl row 1: message 1 has role 'Assistant': roles are matched as written, and "
-                               r"chat templates name them in lower case \('assistant'\)"),
-    "a message without content": (lambda p: _chat(p, {"messages": [{"role": "user", "content": None},
-                                                                   {"role": "assistant", "content": "hello"}]}),
-                                  r"chat.jsonl row 1: message 0 \(user\) has no content \(null or missing\)"),
-    "an empty chat file": (lambda p: _chat(p, empty=True), r"data.path=.*chat.jsonl: no conversation: the files hold "
-                                                           r"no rows"),
-    "every conversation too long": (lambda p: [*_chat(p, {"messages": [{"role": "user", "content": "hi"},
-                                                                      {"role": "assistant", "content": "x" * 64}]},
+                                                               {"role": "Assistant",
+                                                                "content": "hello"}]}),
+                               r"chat.jsonl row 1: message 1 has role 'Assistant': roles are "
+                               r"matched as written, and chat templates name them in lower case "
+                               r"\('assistant'\)"),
+    "a message without content": (lambda p: _chat(p,
+                                                  {"messages": [
+                                                      {"role": "user", "content": None},
+                                                      {"role": "assistant", "content": "hello"}]}),
+                                  r"chat.jsonl row 1: message 0 \(user\) has no content \(null or "
+                                  r"missing\)"),
+    "an empty chat file": (lambda p: _chat(p, empty=True),
+                           r"data.path=.*chat.jsonl: no conversation: the files hold "
+                           r"no rows"),
+    "every conversation too long": (lambda p: [*_chat(p,
+                                                      {"messages": [
+                                                          {"role": "user", "content": "hi"},
+                                                          {"role": "assistant",
+                                                           "content": "x" * 64}]},
                                                       template=EVERY_TURN), "data.overlong=drop"],
-                                    r"every conversation with an assistant turn \(1\) is longer than "
-                                    r"training.seq_len=32 \+ 1 tokens and data.overlong=drop dropped it"),
-    "no assistant turn": (lambda p: _chat(p, {"messages": [{"role": "user", "content": "hi"}]}, template=EVERY_TURN),
-                          r"none of its 1 conversations has a token to learn: no message has the role 'assistant'"),
-    "prompts that are not masked": (lambda p: [*_chat(p, {"prompt": "", "completion": "4"}), "data.format=completion"],
-                                    r"data.path=.*chat.jsonl: every token is a target: the prompts are not masked out"),
-    "chat from a token file": (lambda p: ["data.source=binary", f"data.path={p}/tokens.bin", "data.format=chat"],
-                               r"data.format=chat reads rows \(data.source=json, parquet or hub\), not a token file"),
-    "missing resume path": (lambda p: [f"checkpoint.resume={p}/none"], r"checkpoint.resume=.*none is not a directory"),
-    "unknown float8 recipe": (lambda p: ["training.float8.enabled=true", "training.float8.recipe=fast"],
-                              r"training.float8.recipe=fast must be one of \['tensorwise', 'rowwise', "),
-    "float8 layer it cannot take": (lambda p: ["training.float8.enabled=true", "training.float8.skip_unaligned=false",
+                                    r"every conversation with an assistant turn \(1\) is longer "
+                                    r"than training.seq_len=32 \+ 1 tokens and data.overlong=drop "
+                                    r"dropped it"),
+    "no assistant turn": (lambda p: _chat(p, {"messages": [{"role": "user", "content": "hi"}]},
+                                          template=EVERY_TURN),
+                          r"none of its 1 conversations has a token to learn: no message has the "
+                          r"role 'assistant'"),
+    "prompts that are not masked": (lambda p: [*_chat(p, {"prompt": "", "completion": "4"}),
+                                               "data.format=completion"],
+                                    r"data.path=.*chat.jsonl: every token is a target: the prompts "
+                                    r"are not masked out"),
+    "chat from a token file": (lambda p: ["data.source=binary", f"data.path={p}/tokens.bin",
+                                          "data.format=chat"],
+                               r"data.format=chat reads rows \(data.source=json, parquet or hub\), "
+                               r"not a token file"),
+    "missing resume path": (lambda p: [f"checkpoint.resume={p}/none"],
+                            r"checkpoint.resume=.*none is not a directory"),
+    "unknown float8 recipe": (lambda p: ["training.float8.enabled=true",
+                                         "training.float8.recipe=fast"],
+                              r"training.float8.recipe=fast must be one of \['tensorwise', "
+                              r"'rowwise', "),
+    "float8 layer it cannot take": (lambda p: ["training.float8.enabled=true",
+                                               "training.float8.skip_unaligned=false",
                                                "model.ffn_dim=200"],
-                                    r"training.float8: layers.\*.feed_forward.w1, layers.\*.feed_forward.w3, "
-                                    r"layers.\*.feed_forward.w2 have dimensions float8 matmuls cannot take"),
+                                    r"training.float8: layers.\*.feed_forward.w1, "
+                                    r"layers.\*.feed_forward.w3, layers.\*.feed_forward.w2 have "
+                                    r"dimensions float8 matmuls cannot take"),
     "fault tolerance without groups": (lambda p: ["fault_tolerance.enabled=true"],
-                                       r"fault_tolerance.enabled=true needs parallel.dp_replicate >= 2 replica groups"),
-    "more min_replicas than groups": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
+                                       r"fault_tolerance.enabled=true needs parallel.dp_replicate "
+                                       r">= 2 replica groups"),
+    "more min_replicas than groups": (lambda p: ["fault_tolerance.enabled=true",
+                                                 "parallel.dp_replicate=2",
                                                  "fault_tolerance.min_replicas=3"],
                                       r"fault_tolerance.min_replicas=3 must be between 1 and the "
                                       r"parallel.dp_replicate=2 groups"),
-    "a replica group that is not one": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
+    "a replica group that is not one": (lambda p: ["fault_tolerance.enabled=true",
+                                                   "parallel.dp_replicate=2",
                                                    "fault_tolerance.replica_group=2"],
-                                        r"fault_tolerance.replica_group=2 must be one of the parallel.dp_replicate=2"),
-    "rollback with fault tolerance": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
-                                                 "training.spike.threshold=3", "training.spike.action=rollback",
+                                        r"fault_tolerance.replica_group=2 must be one of the "
+                                        r"parallel.dp_replicate=2"),
+    "rollback with fault tolerance": (lambda p: ["fault_tolerance.enabled=true",
+                                                 "parallel.dp_replicate=2",
+                                                 "training.spike.threshold=3",
+                                                 "training.spike.action=rollback",
                                                  "checkpoint.enabled=true"],
-                                      r"training.spike.action=rollback cannot be combined with fault_tolerance"),
-    "lighthouse not reachable": (lambda p: ["fault_tolerance.enabled=true", "parallel.dp_replicate=2",
-                                            "fault_tolerance.lighthouse=http://127.0.0.1:9", "distributed.timeout_s=1"],
-                                 r"fault_tolerance.lighthouse=http://127.0.0.1:9 cannot be reached \(.*\) within "
-                                 r"distributed.timeout_s=1"),
+                                      r"training.spike.action=rollback cannot be combined with "
+                                      r"fault_tolerance"),
+    "lighthouse not reachable": (lambda p: ["fault_tolerance.enabled=true",
+                                            "parallel.dp_replicate=2",
+                                            "fault_tolerance.lighthouse=http://127.0.0.1:9",
+                                            "distributed.timeout_s=1"],
+                                 r"fault_tolerance.lighthouse=http://127.0.0.1:9 cannot be reached "
+                                 r"\(.*\) within distributed.timeout_s=1"),
     # Qwen3 and the DeepSeek-V3 routing options.
     "odd head dimension": (lambda p: ["model=qwen3_debug", "model.head_dim=33"],
-                           r"model.head_dim=33 \(a head's width: 33\) must be even: the rotary embedding"),
+                           r"model.head_dim=33 \(a head's width: 33\) must be even: the rotary "
+                           r"embedding"),
     "shared experts with no MoE": (lambda p: ["model.n_shared_experts=1"],
-                                   r"model.n_shared_experts is not a key of model.family=llama; it is one of "
-                                   r"model.family=deepseek_v3 or mixtral or qwen3_moe"),
-    "groups not dividing the experts": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=3"],
+                                   r"model.n_shared_experts is not a key of model.family=llama; it "
+                                   r"is one of model.family=deepseek_v3 or mixtral or qwen3_moe"),
+    "groups not dividing the experts": (lambda p: ["model=qwen3_moe_debug",
+                                                   "model.n_expert_groups=3"],
                                         r"model.n_expert_groups=3 must divide model.n_experts=16"),
     "more top groups than groups": (lambda p: ["model=qwen3_moe_debug", "model.n_expert_groups=4",
                                                "model.top_groups=5"],
-                                    r"model.top_groups=5 must be between 1 and model.n_expert_groups=4"),
+                                    r"model.top_groups=5 must be between 1 and "
+                                    r"model.n_expert_groups=4"),
     "unknown route score": (lambda p: ["model=qwen3_moe_debug", "model.route_score=tanh"],
-                            r"model.route_score=tanh is unknown; choose one of \['softmax', 'sigmoid'\]"),
-    "aux-free bias with fault tolerance": (lambda p: ["model=qwen3_moe_debug", "model.bias_update_speed=0.001",
-                                                      "fault_tolerance.enabled=true", "parallel.dp_replicate=2"],
-                                           r"model.bias_update_speed=0.001 cannot be combined with fault_tolerance"),
+                            r"model.route_score=tanh is unknown; choose one of \['softmax', "
+                            r"'sigmoid'\]"),
+    "aux-free bias with fault tolerance": (lambda p: ["model=qwen3_moe_debug",
+                                                      "model.bias_update_speed=0.001",
+                                                      "fault_tolerance.enabled=true",
+                                                      "parallel.dp_replicate=2"],
+                                           r"model.bias_update_speed=0.001 cannot be combined with "
+                                           r"fault_tolerance"),
     # DeepSeek-V3's latent attention and dense blocks.
     "odd rotary width": (lambda p: ["model=deepseek_v3_debug", "model.qk_rope_head_dim=7"],
-                         r"model.qk_rope_head_dim=7 must be even: the rotary embedding turns pairs"),
+                         r"model.qk_rope_head_dim=7 must be even: the rotary embedding turns "
+                         r"pairs"),
     "a query latent of rank 0": (lambda p: ["model=deepseek_v3_debug", "model.q_lora_rank=0"],
-                                 r"model.q_lora_rank=0 must be between 1 and model.dim=128, or null"),
-    "a key/value latent wider than the model": (lambda p: ["model=deepseek_v3_debug", "model.kv_lora_rank=256"],
-                                                r"model.kv_lora_rank=256 must be between 1 and model.dim=128"),
-    "more dense blocks than blocks": (lambda p: ["model=deepseek_v3_debug", "model.n_dense_layers=9"],
-                                      r"model.n_dense_layers=9 must be between 0 and model.n_layers - 1=7"),
-    "a misspelt key of the family's": (lambda p: ["model=deepseek_v3_debug", "model.kv_lora_rnak=16"],
-                                       r"model.kv_lora_rnak is not a key of model.family=deepseek_v3; did you mean "
+                                 r"model.q_lora_rank=0 must be between 1 and model.dim=128, or "
+                                 r"null"),
+    "a key/value latent wider than the model": (lambda p: ["model=deepseek_v3_debug",
+                                                           "model.kv_lora_rank=256"],
+                                                r"model.kv_lora_rank=256 must be between 1 and "
+                                                r"model.dim=128"),
+    "more dense blocks than blocks": (lambda p: ["model=deepseek_v3_debug",
+                                                 "model.n_dense_layers=9"],
+                                      r"model.n_dense_layers=9 must be between 0 and "
+                                      r"model.n_layers - 1=7"),
+    "a misspelt key of the family's": (lambda p: ["model=deepseek_v3_debug",
+                                                  "model.kv_lora_rnak=16"],
+                                       r"model.kv_lora_rnak is not a key of "
+                                       r"model.family=deepseek_v3; did you mean "
                                        r"model.kv_lora_rank\?"),
     "a word for an integer": (lambda p: ["training.steps=abc"],
                               r"^config error: training.steps=abc must be an integer$"),
-    "a word for a number": (lambda p: ["training.lr=fast"], r"^config error: training.lr=fast must be a number$"),
+    "a word for a number": (lambda p: ["training.lr=fast"],
+                            r"^config error: training.lr=fast must be a number$"),
     "a word for a bool": (lambda p: ["training.compile=maybe"],
                           r"^config error: training.compile=maybe must be true or false$"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
@@ -265,15 +348,16 @@ EXTRA = {"float8 layer it cannot take": NEEDS_TORCHAO, "lighthouse not reachable
 HIDDEN = {"tensorboard without its package": "tensorboard"}  # imports as if not installed
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=EXTRA.get(name, ())) for name in MISTAKES])
+@pytest.mark.parametrize("name",
+                         [pytest.param(name, marks=EXTRA.get(name, ())) for name in MISTAKES])
 def test_each_mistake_is_one_config_error_line_and_exit_2(name, tmp_path, capfd, monkeypatch):
     overrides, says = MISTAKES[name]
     monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "cache"))
     if name in HIDDEN:
         monkeypatch.setitem(sys.modules, HIDDEN[name], None)
     # plan.check=false: the memory plan runs in a process of its own, and has nothing to say here.
-    argv = ["model=llama_debug", "+smoke=cpu", "training.steps=2", "training.seq_len=32", "plan.check=false",
-            f"output_dir={tmp_path / 'out'}", *overrides(tmp_path)]
+    argv = ["model=llama_debug", "+smoke=cpu", "training.steps=2", "training.seq_len=32",
+            "plan.check=false", f"output_dir={tmp_path / 'out'}", *overrides(tmp_path)]
     assert run_train(argv) == 2
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err
@@ -283,8 +367,8 @@ def test_each_mistake_is_one_config_error_line_and_exit_2(name, tmp_path, capfd,
 
 
 def test_a_recipe_that_does_not_parse_fails_only_the_commands_that_choose_it(tmp_path, monkeypatch):
-    """A user's recipe with a syntax error beside the team's: choosing it is one line naming the file
-    and where it stops parsing; every other recipe composes as before."""
+    """A user's recipe with a syntax error beside the team's: choosing it is one line naming the
+    file and where it stops parsing; every other recipe composes as before."""
     from trainer.checks import overrides
     from trainer.config import files as config_files
 
@@ -294,5 +378,6 @@ def test_a_recipe_that_does_not_parse_fails_only_the_commands_that_choose_it(tmp
         monkeypatch.setattr(module, "RECIPE_DIR", tmp_path)
     monkeypatch.setitem(config_files.BROKEN_RECIPES, "mine", None)  # (removed again afterwards)
     assert overrides.compose_job(["+recipe=llama_fsdp"]).parallel.dp_shard == -1
-    with pytest.raises(ConfigError, match=r"mine.yaml does not parse \(line 4, column 4\): expected ',' or ']'"):
+    with pytest.raises(ConfigError,
+                       match=r"mine.yaml does not parse \(line 4, column 4\): expected ',' or ']'"):
         overrides.compose_job(["+recipe=mine"])

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resume under another layout, atomic publishing and damage
-detection, seed checkpoints, and preemption by signal (restarts of killed ranks: test_elastic.py)."""
+detection, seed checkpoints, and preemption by signal (restarts of killed ranks:
+test_elastic.py)."""
 
 import os
 import pickle
@@ -48,7 +49,8 @@ RESHARDED = 1e-4  # another layout: the parity tolerance
 
 
 def largest_difference(records: list[dict], reference: list[dict], first_step: int) -> float:
-    """The largest relative loss difference over the steps from `first_step` on; checks they all ran."""
+    """The largest relative loss difference over the steps from `first_step` on; checks they all
+    ran."""
     return loss_difference(records, reference, range(first_step, STEPS + 1))
 
 
@@ -58,7 +60,8 @@ def run(nproc: int, *overrides: str, output_dir: Path, timeout: float = 300) -> 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """An uninterrupted 2-rank FSDP run saving at steps 5 and 10: its output directory and metrics."""
+    """An uninterrupted 2-rank FSDP run saving at steps 5 and 10: its output directory and
+    metrics."""
     out = tmp_path_factory.mktemp("reference")
     return out, run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5", output_dir=out)
 
@@ -70,8 +73,8 @@ def test_resume_repeats_the_uninterrupted_run(mode, reference, tmp_path):
     if mode == "sync":
         saved, records = reference
     else:  # saving overlapped with training changes nothing, and its checkpoints resume the same
-        records = run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5", "checkpoint.async_save=true",
-                      output_dir=saved)
+        records = run(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=5",
+                      "checkpoint.async_save=true", output_dir=saved)
         assert largest_difference(records, reference[1], 1) == 0
     resumed = run(2, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={saved}/checkpoints/step_5",
                   output_dir=tmp_path / "resumed")
@@ -79,14 +82,16 @@ def test_resume_repeats_the_uninterrupted_run(mode, reference, tmp_path):
     difference = largest_difference(resumed, records, 6)
     print(f"exact resume ({mode}): largest relative loss difference {difference:.1e}")
     assert difference <= EXACT
-    assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(resumed, records[5:])) <= EXACT
+    norms = zip(resumed, records[5:])
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in norms) <= EXACT
 
 
-# name -> the layouts a checkpoint passes through, in runs of RESHARD_STEPS: the first saves at step 3,
-# the next resumes from it and saves at step 4, the one after resumes from that; each is held against
-# the first run.
+# name -> the layouts a checkpoint passes through, in runs of RESHARD_STEPS: the first saves at step
+# 3, the next resumes from it and saves at step 4, the one after resumes from that; each is held
+# against the first run.
 RESHARDING = {
-    "llama_fsdp4_to_tp2_pp4_to_fsdp4": [(4, ("+recipe=llama_fsdp", *LLAMA)), (8, ("+recipe=llama_tp2_pp4", *LLAMA)),
+    "llama_fsdp4_to_tp2_pp4_to_fsdp4": [(4, ("+recipe=llama_fsdp", *LLAMA)),
+                                        (8, ("+recipe=llama_tp2_pp4", *LLAMA)),
                                         (4, ("+recipe=llama_fsdp", *LLAMA))],
     "mixtral_ep4_to_fsdp2": [(4, ("+recipe=mixtral_ep", *MIXTRAL)),
                              (2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL))],
@@ -104,13 +109,16 @@ RESHARD_STEPS, SAVED_AT = 6, (3, 4)
 def test_resume_under_another_layout(case, tmp_path):
     (ranks, overrides), *resuming = RESHARDING[case]
     steps = f"training.steps={RESHARD_STEPS}"
-    records = run(ranks, *overrides, steps, f"checkpoint.interval={SAVED_AT[0]}", output_dir=tmp_path / "0")
+    records = run(ranks, *overrides, steps, f"checkpoint.interval={SAVED_AT[0]}",
+                  output_dir=tmp_path / "0")
     for i, ((ranks, overrides), step) in enumerate(zip(resuming, SAVED_AT), start=1):
         interval = SAVED_AT[i] if i < len(SAVED_AT) else RESHARD_STEPS
-        resumed = run(ranks, *overrides, steps, f"checkpoint.resume={tmp_path}/{i - 1}/checkpoints/step_{step}",
+        resumed = run(ranks, *overrides, steps,
+                      f"checkpoint.resume={tmp_path}/{i - 1}/checkpoints/step_{step}",
                       f"checkpoint.interval={interval}", output_dir=tmp_path / str(i))
         difference = loss_difference(resumed, records, range(step + 1, RESHARD_STEPS + 1))
-        print(f"{case}, run {i} from step {step}: largest relative loss difference {difference:.1e}")
+        print(f"{case}, run {i} from step {step}: largest relative loss difference "
+              f"{difference:.1e}")
         assert difference <= RESHARDED
 
 
@@ -119,8 +127,8 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     """keep_last prunes; a damaged checkpoint is refused by name and skipped by resume=auto;
     a save that never finished (.tmp) is never a candidate."""
     out = tmp_path / "run"
-    records = run(1, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3", "checkpoint.keep_last=2",
-                  output_dir=out)
+    records = run(1, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3",
+                  "checkpoint.keep_last=2", output_dir=out)
     folder = out / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step_10", "step_9"]
     data = next((folder / "step_10").glob("*.distcp"))
@@ -135,7 +143,8 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     named = launch(1, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={folder / 'step_10'}",
                    output_dir=tmp_path / "named")
     assert named.returncode != 0
-    said = f"config error: checkpoint.resume={folder / 'step_10'} cannot be loaded: {data.name} is damaged"
+    said = (f"config error: checkpoint.resume={folder / 'step_10'} cannot be loaded: {data.name} "
+            "is damaged")
     assert said in named.stderr
     assert "/trainer/" not in named.stderr  # no traceback from our code
 
@@ -187,18 +196,21 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path):
 @pytest.mark.multiprocess
 def test_seed_checkpoint_is_the_starting_point(tmp_path):
     seed = tmp_path / "seed"
-    result = run_script(REPO / "scripts" / "seed_checkpoint.py", seed, "--model", "llama_debug", "--seed", "3")
+    result = run_script(REPO / "scripts" / "seed_checkpoint.py", seed, "--model", "llama_debug",
+                        "--seed", "3")
     assert result.returncode == 0, result.stderr
     model = build_model("llama_debug")
     load_weights(model, seed)
     expected = build_model("llama_debug", seed=3)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 expected.state_dict().values()))
 
     # A two-rank run (seed 0 for its data) starts from those weights, not its own.
     records = run(2, "+recipe=llama_tp2", *LLAMA, "training.steps=1", f"checkpoint.initial={seed}",
                   "checkpoint.enabled=false", output_dir=tmp_path / "run")
     job = JobConfig()
-    loader = BatchLoader(build_dataset(job.data, 64, 0), 8, dp_rank=0, dp_size=1, grad_accum=1, seed=0)
+    loader = BatchLoader(build_dataset(job.data, 64, 0), 8, dp_rank=0, dp_size=1, grad_accum=1,
+                         seed=0)
     ((inputs, labels),) = loader.microbatches(0)
     with torch.no_grad():
         loss = cross_entropy(expected(inputs), labels).item()
@@ -206,16 +218,18 @@ def test_seed_checkpoint_is_the_starting_point(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sig, launcher", [("SIGTERM", "torch.distributed.run"), ("SIGINT", "trainer.run.launcher"),
-                                           ("SIGINT", "torch.distributed.run")])
+@pytest.mark.parametrize("sig, launcher",
+                         [("SIGTERM", "torch.distributed.run"), ("SIGINT", "trainer.run.launcher"),
+                          ("SIGINT", "torch.distributed.run")])
 def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig, launcher):
-    """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption), or SIGINT to every process
-    of the job at once (`pkill -INT -f train.py`, a scheduler signalling every task: each rank gets it
-    directly and again from its launcher) under trainer-run and under torchrun: every rank ends the
-    step, a checkpoint is saved, the ranks exit (trainer-run with 0 and no traceback); resume=auto then
-    finishes the SIGTERM run on the uninterrupted curve."""
+    """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption), or SIGINT to every
+    process of the job at once (`pkill -INT -f train.py`, a scheduler signalling every task: each
+    rank gets it directly and again from its launcher) under trainer-run and under torchrun: every
+    rank ends the step, a checkpoint is saved, the ranks exit (trainer-run with 0 and no traceback);
+    resume=auto then finishes the SIGTERM run on the uninterrupted curve."""
     out = tmp_path / "run"
-    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out, launcher=launcher)
+    process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out,
+                    launcher=launcher)
     wait_for(lambda: logged_steps(out) >= 3, process)
     if sig == "SIGTERM":
         process.send_signal(signal.SIGTERM)
@@ -226,11 +240,13 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig, 
     log = (tmp_path / "run.log").read_text()
     stopped = logged_steps(out)
     assert stopped < STEPS and f"stopped at step {stopped} on a signal ({sig})" in log, log[-3000:]
-    assert "exitcode" not in log and "/trainer/" not in log and "Error executing job" not in log, log[-3000:]
+    assert "exitcode" not in log and "/trainer/" not in log, log[-3000:]
+    assert "Error executing job" not in log, log[-3000:]
     if launcher == "trainer.run.launcher":
         assert code == 0 and "Traceback" not in log and "SignalException" not in log, log[-3000:]
     if sig == "SIGINT":
-        assert log.count("Ctrl-C: stopping after this step") == 1 and "Ctrl-C twice" not in log, log[-3000:]
+        assert log.count("Ctrl-C: stopping after this "
+                         "step") == 1 and "Ctrl-C twice" not in log, log[-3000:]
     assert verify(out / "checkpoints" / f"step_{stopped}") is None
     if sig == "SIGINT":  # (the same save as SIGTERM's, whose resume follows: suite time)
         return
@@ -238,7 +254,8 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig, 
     resumed = launch(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out)
     assert resumed.returncode == 0, failure_report(resumed)
     difference = largest_difference(read_metrics(out), reference[1], 1)
-    print(f"preemption: stopped at step {stopped}, largest relative loss difference {difference:.1e}")
+    print(f"preemption: stopped at step {stopped}, largest relative loss difference "
+          f"{difference:.1e}")
     assert difference <= EXACT
 
 
@@ -247,13 +264,14 @@ def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
     """Under trainer-run the second Ctrl-C does not wait for the step: torchrun and the rank end at
     once, saving nothing, exit status 130."""
     out = tmp_path / "run"
-    process = start(1, *LLAMA, "training.steps=1000", "training.seq_len=512", "checkpoint.interval=1000",
-                    output_dir=out, launcher="trainer.run.launcher")
+    process = start(1, *LLAMA, "training.steps=1000", "training.seq_len=512",
+                    "checkpoint.interval=1000", output_dir=out, launcher="trainer.run.launcher")
     log = tmp_path / "run.log"
     wait_for(lambda: logged_steps(out) >= 1, process)
     os.killpg(process.pid, signal.SIGINT)
-    # Two signals sent together are one to the process, and so is a second within SAME_SIGNAL_S of the
-    # first (a launcher's forward of it): a person's second press comes after the first one's line, later.
+    # Two signals sent together are one to the process, and so is a second within SAME_SIGNAL_S of
+    # the first (a launcher's forward of it): a person's
+    # second press comes after the first one's line, later.
     wait_for(lambda: "Ctrl-C: stopping" in log.read_text(), process)
     time.sleep(SAME_SIGNAL_S)
     os.killpg(process.pid, signal.SIGINT)
@@ -267,9 +285,12 @@ def test_ctrl_c_twice_stops_at_once_without_a_traceback(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("checkpoint.interval=0", "config error: checkpoint.interval=0 must be >= 1"),
     ("checkpoint.keep_last=-1", "config error: checkpoint.keep_last=-1 must be >= 0"),
-    ("checkpoint.async_save=maybe", "config error: checkpoint.async_save=maybe must be true or false"),
-    ("checkpoint.resume=/no/such/dir", "config error: checkpoint.resume=/no/such/dir is not a directory"),
-    ("checkpoint.initial=/no/such/dir", "config error: checkpoint.initial=/no/such/dir is not a directory"),
+    ("checkpoint.async_save=maybe",
+     "config error: checkpoint.async_save=maybe must be true or false"),
+    ("checkpoint.resume=/no/such/dir",
+     "config error: checkpoint.resume=/no/such/dir is not a directory"),
+    ("checkpoint.initial=/no/such/dir",
+     "config error: checkpoint.initial=/no/such/dir is not a directory"),
 ])
 def test_bad_checkpoint_settings_are_config_errors(override, message):
     """Composed and checked as every rank does first (test_bad_input holds the line and exit 2)."""
@@ -292,7 +313,8 @@ def test_weights_without_the_moe_bias_load_into_a_model_that_balances_with_one(t
     for name, tensor in plain.state_dict().items():
         assert torch.equal(balanced.state_dict()[name], tensor), name
     assert balanced.layers["0"].feed_forward.expert_bias.abs().max() == 0
-    partial = {k: v for k, v in plain.state_dict().items() if k != "layers.3.attention.q_norm.weight"}
+    partial = {k: v for k, v in plain.state_dict().items()
+               if k != "layers.3.attention.q_norm.weight"}
     save_weights(plain.config, partial, tmp_path / "partial")
     with pytest.raises(CheckpointError, match="q_norm"):
         load_weights(balanced, tmp_path / "partial")

@@ -1,4 +1,5 @@
-"""scripts/compare_runs.py: two runs' curves step by step, a verdict by their precision's tolerance."""
+"""scripts/compare_runs.py: two runs' curves step by step, a verdict by their precision's
+tolerance."""
 
 import json
 import sys
@@ -17,7 +18,8 @@ LOSSES = [7.6, 6.7, 6.1, 5.8, 5.5]
 
 def write_run(path, losses, param_dtype="float32", n_experts=None, tp=1):
     path.mkdir()
-    rows = [{"step": i + 1, "loss": loss, "grad_norm": 10.0 / (i + 1)} for i, loss in enumerate(losses)]
+    rows = [{"step": i + 1, "loss": loss, "grad_norm": 10.0 / (i + 1)}
+            for i, loss in enumerate(losses)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     model = {"name": "m"} if n_experts is None else {"name": "m", "n_experts": n_experts}
     config = {"device": "cpu", "model": model, "parallel": {"tp": tp, "pp": 1},
@@ -51,7 +53,8 @@ def test_a_run_moved_to_bf16_is_held_to_bf16_s_tolerance(tmp_path):
 
 
 @pytest.mark.parametrize("dtype, experts, drift, code", [
-    ("float32", None, 5e-4, 1), ("float32", 8, 5e-4, 0), ("bfloat16", None, 3e-3, 0), ("bfloat16", None, 1e-2, 1),
+    ("float32", None, 5e-4, 1), ("float32", 8, 5e-4, 0), ("bfloat16", None, 3e-3, 0),
+    ("bfloat16", None, 1e-2, 1),
 ])
 def test_each_precision_has_its_tolerance(tmp_path, capsys, dtype, experts, drift, code):
     a = write_run(tmp_path / "a", LOSSES, dtype, experts)
@@ -63,15 +66,19 @@ def test_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     a = write_run(tmp_path / "a", LOSSES)
     (tmp_path / "empty").mkdir()
     code, out, err = run(capsys, a, tmp_path / "empty")
-    assert code == 2 and err == f"compare_runs: {tmp_path / 'empty'} has no metrics.jsonl: not a run's output_dir\n"
+    assert (code == 2
+            and err
+            == f"compare_runs: {tmp_path / 'empty'} has no metrics.jsonl: not a run's output_dir\n")
     # The same folder twice is said, not judged "same curve".
     code, out, err = run(capsys, a, tmp_path / "a" / ".." / "a")
-    assert code == 2 and "given twice: a run compared with itself is always the same curve" in err and not out
+    assert (code == 2 and "given twice: a run compared with itself is always the same curve" in err
+            and not out)
 
 
 def test_a_run_s_layout_resolves_dp_shard_and_ep_of_minus_one(tmp_path):
     run_dir = write_run(tmp_path / "moe", LOSSES, n_experts=8)
-    rows = [{**json.loads(line), "world_size": 4} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [{**json.loads(line), "world_size": 4}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config["parallel"] |= {"dp_shard": -1, "ep": -1}

@@ -15,14 +15,16 @@ from trainer.parallel.context_parallel import METHODS, ContextParallelAttention,
 def test_shard_sequence_gives_each_rank_an_early_and_a_late_chunk():
     x = torch.arange(8)[None]
     assert [shard_sequence(x, r, 2).tolist() for r in range(2)] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
-    assert [shard_sequence(x, r, 4).tolist() for r in range(4)] == [[[0, 7]], [[1, 6]], [[2, 5]], [[3, 4]]]
+    assert ([shard_sequence(x, r, 4).tolist() for r in range(4)]
+            == [[[0, 7]], [[1, 6]], [[2, 5]], [[3, 4]]])
     assert torch.equal(shard_sequence(x, 0, 1), x)
 
 
 def _matches_full_attention(rank, cp, method, fused, documents=False):
     if not fused:  # the exact math kernel, which devices without a fused one use
         attention_kernels.KERNELS = {}
-    attention = ContextParallelAttention(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), method, documents)
+    attention = ContextParallelAttention(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)),
+                                         method, documents)
     full_attention = CausalAttention()
     full_attention.within_documents = documents
     for seq in (2 * cp, 16 * cp, 14 * cp):
@@ -43,8 +45,10 @@ def _matches_full_attention(rank, cp, method, fused, documents=False):
             q_local, k_local, v_local = (local(x).requires_grad_() for x in (q, k, v))
             out = attention(q_local, k_local, v_local, local(positions, dim=1))
             out.backward(local(grad_out))
-            where = f"{method} fused={fused} documents={documents} cp={cp} seq={seq} kv_heads={kv_heads} rank={rank}"
-            torch.testing.assert_close(out, local(expected), rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+            where = (f"{method} fused={fused} documents={documents} cp={cp} seq={seq} "
+                     f"kv_heads={kv_heads} rank={rank}")
+            torch.testing.assert_close(out, local(expected), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{where}: {m}")
             for name, mine, full in (("q", q_local, q), ("k", k_local, k), ("v", v_local, v)):
                 torch.testing.assert_close(mine.grad, local(full.grad), rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{where} d{name}: {m}")

@@ -1,6 +1,6 @@
 """The embedded text, the split of each global batch over data-parallel ranks (in any layout, and on
-resuming with another data-parallel size), the prefetcher, document masking, the data's config errors,
-and training on real text. The sources and tokenizers themselves: test_readers.py."""
+resuming with another data-parallel size), the prefetcher, document masking, the data's config
+errors, and training on real text. The sources and tokenizers themselves: test_readers.py."""
 
 import collections
 import json
@@ -47,11 +47,13 @@ def global_batch(loader_for, dp_size, grad_accum, step, pp_microbatches=1):
     schedule's contiguous pieces included), each over the ranks."""
     pieces = []
     for rank in range(dp_size):
-        for inputs, labels in loader_for(rank, dp_size, grad_accum, pp_microbatches).microbatches(step):
+        loader = loader_for(rank, dp_size, grad_accum, pp_microbatches)
+        for inputs, labels in loader.microbatches(step):
             assert torch.equal(inputs[:, 1:], labels[:, :-1])
             pieces.append(inputs.chunk(pp_microbatches))
     # pieces[rank * grad_accum + i][m]: rank's piece m of its microbatch i.
-    return torch.cat([pieces[rank * grad_accum + i][m] for i in range(grad_accum) for m in range(pp_microbatches)
+    return torch.cat([pieces[rank * grad_accum + i][m] for i in range(grad_accum)
+                      for m in range(pp_microbatches)
                       for rank in range(dp_size)])
 
 
@@ -59,7 +61,8 @@ def global_batch(loader_for, dp_size, grad_accum, step, pp_microbatches=1):
 DATASETS = {
     "embedded": lambda seq_len, size: EmbeddedText(seq_len=seq_len, seed=0, size=size),
     "mixture": lambda seq_len, size: Mixture(
-        [EmbeddedText(seq_len, seed, size // k) for seed, k in ((0, 1), (1, 3), (2, 5))], [0.5, 0.3, 0.2], seed=4),
+        [EmbeddedText(seq_len, seed, size // k) for seed, k in ((0, 1), (1, 3), (2, 5))],
+        [0.5, 0.3, 0.2], seed=4),
 }
 
 
@@ -68,8 +71,8 @@ def test_global_batch_does_not_depend_on_the_layout(kind):
     data = DATASETS[kind](16, 40)
 
     def loader_for(rank, dp_size, grad_accum, pp_microbatches=1):
-        return BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size, grad_accum=grad_accum, seed=1,
-                           pp_microbatches=pp_microbatches)
+        return BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size,
+                           grad_accum=grad_accum, seed=1, pp_microbatches=pp_microbatches)
 
     for step in (0, 3, 7):  # step 7 crosses into the second epoch
         reference = global_batch(loader_for, 1, 1, step)
@@ -79,13 +82,15 @@ def test_global_batch_does_not_depend_on_the_layout(kind):
         assert torch.equal(by_microbatch, reference)
         # ... is 2 ranks accumulating 2, 2 ranks in a 2-microbatch pipeline, or 2 x 2 of each.
         for dp_size, grad_accum, pp_microbatches in ((2, 2, 1), (2, 1, 2), (2, 2, 2)):
-            assert torch.equal(global_batch(loader_for, dp_size, grad_accum, step, pp_microbatches), reference)
+            assert torch.equal(global_batch(loader_for, dp_size, grad_accum, step, pp_microbatches),
+                               reference)
         for dp_size, grad_accum in ((2, 1), (4, 1), (8, 1)):
             assert torch.equal(global_batch(loader_for, dp_size, grad_accum, step), reference)
     # Ranks read disjoint sequences (windows numbered by their index: short generated texts can
     # repeat), and consecutive steps differ.
     numbered = [torch.full((17,), i) for i in range(40)]
-    a, b = (BatchLoader(numbered, global_batch=8, dp_rank=rank, dp_size=2, grad_accum=1, seed=1).microbatches(0)[0][0]
+    a, b = (BatchLoader(numbered, global_batch=8, dp_rank=rank, dp_size=2, grad_accum=1,
+                        seed=1).microbatches(0)[0][0]
             for rank in (0, 1))
     assert not set(a[:, 0].tolist()) & set(b[:, 0].tolist())
     assert not torch.equal(global_batch(loader_for, 1, 1, 0), global_batch(loader_for, 1, 1, 1))
@@ -98,12 +103,13 @@ def test_resume_mid_epoch_with_another_data_parallel_size_continues_at_the_same_
     data = DATASETS[kind](8, 30)
 
     def loader_for(rank, dp_size, grad_accum=1, pp_microbatches=1, offset=0):
-        loader = BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size, grad_accum=grad_accum, seed=3,
-                             pp_microbatches=pp_microbatches)
+        loader = BatchLoader(data, global_batch=8, dp_rank=rank, dp_size=dp_size,
+                             grad_accum=grad_accum, seed=3, pp_microbatches=pp_microbatches)
         loader.offset = offset
         return loader
 
-    uninterrupted = [global_batch(loader_for, 2, 1, step) for step in range(8)]  # 64 sequences: 2 epochs and more
+    # 64 sequences: 2 epochs and more
+    uninterrupted = [global_batch(loader_for, 2, 1, step) for step in range(8)]
     position = loader_for(0, 2).position(steps=2)  # mid-epoch: 16 of 30 sequences read
     def resumed(rank, dp_size, grad_accum, pp_microbatches):
         return loader_for(rank, dp_size, grad_accum, pp_microbatches, offset=position)
@@ -124,7 +130,8 @@ def test_prefetcher_computes_the_next_step_in_the_background():
     prefetch = Prefetcher(batch)
     assert [prefetch(step) for step in range(3)] == [0, 10, 20]
     time.sleep(0.1)
-    assert computed == [0, 1, 2, 3] and threads == {"prefetch_0"}  # step 3 waits, ready, for its turn
+    # step 3 waits, ready, for its turn
+    assert computed == [0, 1, 2, 3] and threads == {"prefetch_0"}
     assert prefetch(7) == 70  # a step out of order is computed then
     prefetch.close()
 
@@ -150,65 +157,84 @@ def test_missing_data_path_is_a_config_error(tmp_path):
     import pytest
 
     with pytest.raises(ConfigError, match="data.path=.*missing.txt matches no readable file"):
-        build_dataset(DataConfig(source="text", path=str(tmp_path / "missing.txt")), seq_len=32, seed=0)
+        build_dataset(DataConfig(source="text", path=str(tmp_path / "missing.txt")), seq_len=32,
+                      seed=0)
     with pytest.raises(ConfigError, match="data.path=.*missing.bin is not a token file"):
-        build_dataset(DataConfig(source="binary", path=str(tmp_path / "missing.bin")), seq_len=32, seed=0)
-    with pytest.raises(ConfigError, match="data.tokenizer=.*nothing is neither 'bytes' nor a tokenizer.json"):
+        build_dataset(DataConfig(source="binary", path=str(tmp_path / "missing.bin")), seq_len=32,
+                      seed=0)
+    with pytest.raises(ConfigError,
+                       match="data.tokenizer=.*nothing is neither 'bytes' nor a tokenizer.json"):
         build_tokenizer(str(tmp_path / "nothing"))
     # What the keys say without reading anything: the rules every rank checks first.
-    with pytest.raises(ConfigError, match=r"data.source=s3 is unknown; choose one of \['embedded', 'text'"):
+    with pytest.raises(ConfigError,
+                       match=r"data.source=s3 is unknown; choose one of \['embedded', 'text'"):
         check_data(DataConfig(source="s3"))
-    with pytest.raises(ConfigError, match="data.path=None must name a Hugging Face dataset for data.source=hub"):
+    with pytest.raises(ConfigError,
+                       match="data.path=None must name a Hugging Face dataset for data.source=hub"):
         check_data(DataConfig(source="hub"))
-    with pytest.raises(ConfigError, match="data.path=None must name a token file for data.source=binary"):
+    with pytest.raises(ConfigError,
+                       match="data.path=None must name a token file for data.source=binary"):
         check_data(DataConfig(source="binary"))
-    with pytest.raises(ConfigError, match=r"data.tokenizer=.*tok.json needs another data.source \(the embedded"):
+    with pytest.raises(ConfigError,
+                       match=r"data.tokenizer=.*tok.json needs another data.source \(the embedded"):
         check_data(DataConfig(source="embedded", tokenizer=str(tmp_path / "tok.json")))
 
 
 def write_corpus(folder: Path, n_files: int, docs_per_file: int = 150) -> Path:
-    """Text files of English-like documents (the embedded generator's sentences), blank-line separated."""
+    """Text files of English-like documents (the embedded generator's sentences), blank-line
+    separated."""
     folder.mkdir()
     for f in range(n_files):
         rng = random.Random(f)
-        docs = [" ".join(sentence(rng) for _ in range(rng.randrange(3, 30))) for _ in range(docs_per_file)]
+        docs = [" ".join(sentence(rng) for _ in range(rng.randrange(3, 30)))
+                for _ in range(docs_per_file)]
         (folder / f"{f}.txt").write_text("\n\n".join(docs))
     return folder
 
 
 @pytest.mark.multiprocess
 def test_training_on_json_rows_with_separate_validation_files(tmp_path):
-    """Two ranks train on jsonl rows and validate on other files (validation.path); both losses fall."""
+    """Two ranks train on jsonl rows and validate on other files (validation.path); both losses
+    fall."""
     corpus = write_corpus(tmp_path / "corpus", n_files=3, docs_per_file=40)
     for f, name in enumerate(("train_0", "train_1", "val")):
         rows = (corpus / f"{f}.txt").read_text().split("\n\n")
-        (corpus / f"{name}.jsonl").write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
-    records = train_metrics(2, "+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", "data.source=json",
-                            f"data.path={corpus}/train_*.jsonl", f"validation.path={corpus}/val.jsonl",
-                            "training.seq_len=64", "validation.every=10", "validation.steps=1",
+        (corpus / f"{name}.jsonl").write_text("".join(json.dumps({"text": row}) + "\n"
+                                                      for row in rows))
+    records = train_metrics(2, "+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu",
+                            "data.source=json", f"data.path={corpus}/train_*.jsonl",
+                            f"validation.path={corpus}/val.jsonl", "training.seq_len=64",
+                            "validation.every=10", "validation.steps=1",
                             output_dir=tmp_path / "run")
     losses, val = [r["loss"] for r in records], [r["val_loss"] for r in records if "val_loss" in r]
-    assert losses[-1] < 0.6 * losses[0] and len(val) == 2 and val[-1] < val[0] and val[-1] < 0.6 * losses[0]
+    assert (losses[-1] < 0.6 * losses[0] and len(val) == 2 and val[-1] < val[0]
+            and val[-1] < 0.6 * losses[0])
 
 
 @pytest.mark.multiprocess
 def test_real_text_validation_loss_falls_well_below_the_unigram_entropy(tmp_path):
     """150 steps of llama_debug on a text corpus: the held-out loss ends far below the entropy of
-    the corpus's byte frequencies (what a model that ignores context can reach; measured: 0.39 of it)."""
+    the corpus's byte frequencies (what a model that ignores context can reach; measured: 0.39 of
+    it)."""
     corpus = write_corpus(tmp_path / "corpus", n_files=4)
     text = b"".join(p.read_bytes() for p in sorted(corpus.glob("*.txt")))
     counts = collections.Counter(text)
-    unigram_entropy = -sum(c / len(text) * math.log(c / len(text)) for c in counts.values())  # nats per byte
-    records = train_metrics(1, "model=llama_debug", "+smoke=cpu", "data.source=text", f"data.path={corpus}/*.txt",
-                            "training.steps=150", "training.seq_len=64", "training.lr=3e-3", "validation.every=150",
-                            "validation.steps=4", "metrics.log_every=50", output_dir=tmp_path / "run")
+    # nats per byte
+    unigram_entropy = -sum(c / len(text) * math.log(c / len(text)) for c in counts.values())
+    records = train_metrics(1, "model=llama_debug", "+smoke=cpu", "data.source=text",
+                            f"data.path={corpus}/*.txt", "training.steps=150",
+                            "training.seq_len=64", "training.lr=3e-3", "validation.every=150",
+                            "validation.steps=4", "metrics.log_every=50",
+                            output_dir=tmp_path / "run")
     val_loss = records[-1]["val_loss"]
-    print(f"unigram entropy {unigram_entropy:.3f} nats, validation loss after 150 steps {val_loss:.3f}")
+    print(f"unigram entropy {unigram_entropy:.3f} nats, validation loss after 150 steps "
+          f"{val_loss:.3f}")
     assert val_loss < 0.5 * unigram_entropy
 
 
 @pytest.mark.parametrize("ranks, overrides, message", [
-    (1, ("validation.path=elsewhere/*.txt",), "config error: validation.path=elsewhere/*.txt needs files of your own"),
+    (1, ("validation.path=elsewhere/*.txt",),
+     "config error: validation.path=elsewhere/*.txt needs files of your own"),
     (1, ("model.vocab_size=200",),
      "config error: model.vocab_size=200 must be >= the tokenizer's 256 (data.tokenizer=bytes)"),
 ])
@@ -223,14 +249,17 @@ def test_an_error_only_one_rank_finds_is_still_said(tmp_path):
     """Rank 1's shard of this stream (its odd rows) is all validation documents, rank 0's is not:
     only rank 1 finds the error, and the first rank, which says the errors every rank finds, has
     none to say, so rank 1 says it itself."""
-    long = " ".join(sentence(random.Random(1)) for _ in range(400))  # more than the validation windows
+    # more than the validation windows
+    long = " ".join(sentence(random.Random(1)) for _ in range(400))
     assert len(long) > 32 * STREAM_VAL_WINDOWS
     (tmp_path / "hub").mkdir()
     rows = ["a short first document", long, "a document rank 0 trains on"]
-    (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
-    result = launch(2, "model=llama_debug", "+smoke=cpu", "data.source=hub", f"data.path={tmp_path}/hub",
-                    "training.seq_len=32", "training.global_batch_size=2", output_dir=tmp_path / "run", timeout=120)
+    (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                          for t in rows))
+    result = launch(2, "model=llama_debug", "+smoke=cpu", "data.source=hub",
+                    f"data.path={tmp_path}/hub", "training.seq_len=32",
+                    "training.global_batch_size=2", output_dir=tmp_path / "run", timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.count("config error:") == 1, result.stderr[-2000:]
-    assert "holds no documents for data-parallel rank 1 of 2 once the validation windows' documents are held out" \
-        in result.stderr, result.stderr[-2000:]
+    assert ("holds no documents for data-parallel rank 1 of 2 once the validation windows' "
+            "documents are held out" in result.stderr), result.stderr[-2000:]

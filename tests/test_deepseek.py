@@ -19,9 +19,11 @@ def active(cfg) -> int:
 
 
 @pytest.mark.parametrize("name, total, active_params", [
-    ("deepseek_v3", 671.0e9, 37.6e9),  # published: 671B, 37B active (without the multi-token prediction module)
+    # published: 671B, 37B active (without the multi-token prediction module)
+    ("deepseek_v3", 671.0e9, 37.6e9),
     ("kimi_k2", 1026.4e9, 32.9e9),  # published: 1T (1.04T), 32B active
-    ("deepseek_v2_lite", 15.71e9, 2.66e9),  # published: 15.7B, 2.4B active (without the 0.2B embedding: 2.45B)
+    # published: 15.7B, 2.4B active (without the 0.2B embedding: 2.45B)
+    ("deepseek_v2_lite", 15.71e9, 2.66e9),
 ])
 def test_the_released_shapes_build_with_their_published_sizes(name, total, active_params):
     cfg = model_config(name)
@@ -38,7 +40,8 @@ def test_interleaved_rotary_pairs_turn_like_the_half_split_ones_of_the_permuted_
     grad = torch.randn(2, 6, 3, 8, dtype=torch.float64)
     (mine,) = torch.autograd.grad(apply_rope(x, cos, sin, interleaved=True), x, grad)
     (theirs,) = torch.autograd.grad(apply_rope(halves, cos, sin), x, grad)
-    torch.testing.assert_close(apply_rope(x, cos, sin, interleaved=True), apply_rope(halves, cos, sin))
+    torch.testing.assert_close(apply_rope(x, cos, sin, interleaved=True),
+                               apply_rope(halves, cos, sin))
     torch.testing.assert_close(mine, theirs)
 
 
@@ -52,9 +55,11 @@ def test_the_debug_model_trains_its_dense_and_moe_blocks():
 
 
 def test_tensor_parallel_must_divide_the_latent_attention_heads():
-    job = compose_job(["model=deepseek_v3_debug", "+recipe=llama_tp2", "parallel.tp=4", "model.n_heads=6",
-                       "model.n_kv_heads=6", "training.seq_len=64"])
+    job = compose_job(["model=deepseek_v3_debug", "+recipe=llama_tp2", "parallel.tp=4",
+                       "model.n_heads=6", "model.n_kv_heads=6", "training.seq_len=64"])
     with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide model.n_heads=6"):
         check_job(job, world=4)
-    with pytest.raises(ConfigError, match=r"model.n_kv_heads=4 must equal model.n_heads=8: in latent attention"):
-        check_job(compose_job(["model=deepseek_v3_debug", "model.n_kv_heads=4", "training.seq_len=64"]), world=1)
+    with pytest.raises(ConfigError,
+                       match=r"model.n_kv_heads=4 must equal model.n_heads=8: in latent attention"):
+        check_job(compose_job(["model=deepseek_v3_debug", "model.n_kv_heads=4",
+                               "training.seq_len=64"]), world=1)

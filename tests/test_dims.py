@@ -1,4 +1,5 @@
-"""The layout: degree inference, each of its rules (trainer/checks/job.py), and the mesh with its views."""
+"""The layout: degree inference, each of its rules (trainer/checks/job.py), and the mesh with its
+views."""
 
 import dataclasses
 
@@ -16,7 +17,8 @@ def job_for(**settings) -> JobConfig:
     """The default job with `settings`: parallel keys by name, others as section__key."""
     job = JobConfig()
     job.training.seq_len, job.training.global_batch_size = 128, 8
-    model = {key.split("__")[1]: value for key, value in settings.items() if key.startswith("model__")}
+    model = {key.split("__")[1]: value for key, value in settings.items()
+             if key.startswith("model__")}
     if "n_experts" in model:
         model["family"] = "mixtral"
     job.model = model_config({**dataclasses.asdict(job.model), **model})
@@ -62,10 +64,11 @@ def test_dp_shard_takes_the_rest():
 
 
 def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
-    """dp_replicate=-1 (or dp_shard=-1) takes up the ranks; micro_batch_size fixes each rank's batch,
-    so the accumulation makes up the global batch on whatever world a restart finds."""
+    """dp_replicate=-1 (or dp_shard=-1) takes up the ranks; micro_batch_size fixes each rank's
+    batch, so the accumulation makes up the global batch on whatever world a restart finds."""
     for world, replicas, accum in ((8, 4, 1), (4, 2, 2), (2, 1, 4)):
-        job = job_for(dp_replicate=-1, dp_shard=2, training__micro_batch_size=1, training__grad_accum_steps=8)
+        job = job_for(dp_replicate=-1, dp_shard=2, training__micro_batch_size=1,
+                      training__grad_accum_steps=8)
         dims = resolve_layout(job.parallel, job.model, job.training, world)
         assert (dims.dp_replicate, dims.dp_shard, dims.grad_accum_steps) == (replicas, 2, accum)
 
@@ -76,14 +79,17 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
         (4, {"dp_replicate": -1, "dp_shard": -1},
          r"parallel.dp_replicate=-1 and parallel.dp_shard=-1: only one of them"),
         (6, {"dp_replicate": -1, "dp_shard": 4},
-         r"parallel.dp_replicate=-1 needs the world size 6 to be divisible by pp\*dp_shard\*cp\*tp=4"),
+         r"parallel.dp_replicate=-1 needs the world size 6 to be divisible by "
+         r"pp\*dp_shard\*cp\*tp=4"),
         (4, {"tp": 2, "dp_shard": 4},
          r"tp=2\); for a job whose world size can change \(an elastic launch, a restart on fewer "
-                                      r"or more nodes\), set parallel.dp_shard=-1 or parallel.dp_replicate=-1$"),
+                                      r"or more nodes\), set parallel.dp_shard=-1 or "
+                                      r"parallel.dp_replicate=-1$"),
         (4, {"training__micro_batch_size": 3},
          r"training.global_batch_size=8 must be divisible by dp\*micro_batch_size=12"),
         (4, {"dp_replicate": 3},
-         r"parallel.dp_shard=-1 needs the world size 4 to be divisible by pp\*dp_replicate\*cp\*tp=3"),
+         r"parallel.dp_shard=-1 needs the world size 4 to be divisible by "
+         r"pp\*dp_replicate\*cp\*tp=3"),
         (4, {"dp_replicate": 2, "dp_shard": 3},
          r"parallel: pp\*dp_replicate\*dp_shard\*cp\*tp=6 must equal the world size 4"),
         (4, {"tp": 3}, r"parallel.tp=3 must divide model.n_heads=16"),
@@ -92,12 +98,15 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
         (4, {"pp": 9}, r"parallel.pp=9 must not exceed model.n_layers=8"),
         (4, {"pp_schedule": "zigzag"}, r"parallel.pp_schedule=zigzag is unknown"),
         (4, {"cp": 3}, r"parallel.cp=3 needs training.seq_len=128 divisible by 2\*cp=6"),
-        (4, {"cp": 2, "training__seq_len": 130}, r"parallel.cp=2 needs training.seq_len=130 divisible by 2\*cp=4"),
+        (4, {"cp": 2, "training__seq_len": 130},
+         r"parallel.cp=2 needs training.seq_len=130 divisible by 2\*cp=4"),
         (4, {"cp": 2, "cp_method": "flash"},
          r"parallel.cp_method=flash is unknown; choose one of \['ring', 'allgather'\]"),
         (4, {"cp": 2, "tp": 2, "training__seq_len": 132},
-         r"parallel.tp=2 x 2\*cp=4 must divide training.seq_len=132 when parallel.sequence_parallel=true"),
-        (4, {"training__seq_len": 4096}, r"training.seq_len=4096 must not exceed model.max_seq_len=2048"),
+         r"parallel.tp=2 x 2\*cp=4 must divide training.seq_len=132 when "
+         r"parallel.sequence_parallel=true"),
+        (4, {"training__seq_len": 4096},
+         r"training.seq_len=4096 must not exceed model.max_seq_len=2048"),
         (4, {"training__global_batch_size": 6},
          r"training.global_batch_size=6 must be divisible by dp\*grad_accum_steps=4"),
         (2, {"training__grad_accum_steps": 3},
@@ -106,14 +115,16 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
          r"parallel.tp=2 must divide model.vocab_size=2049 when parallel.loss_parallel=true"),
         (4, {"tp": 4, "training__seq_len": 130},
          r"parallel.tp=4 must divide training.seq_len=130 when parallel.sequence_parallel=true"),
-        (4, {"tp": 2, "model__tie_embeddings": True}, r"parallel.tp=2 needs model.tie_embeddings=false"),
+        (4, {"tp": 2, "model__tie_embeddings": True},
+         r"parallel.tp=2 needs model.tie_embeddings=false"),
         (2, {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 3},
          r"parallel.pp_stages_per_rank=3 must be 2 for parallel.pp_schedule=zbv"),
         (2, {"pp": 2, "pp_schedule": "gpipe", "pp_stages_per_rank": 2},
          r"parallel.pp_stages_per_rank=2 must be 1 for parallel.pp_schedule=gpipe"),
         (4, {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 3},
          r"12 stages must not exceed model.n_layers=8: every stage needs a layer"),
-        (2, {"pp": 2, "model__tie_embeddings": True}, r"parallel.pp=2 needs model.tie_embeddings=false"),
+        (2, {"pp": 2, "model__tie_embeddings": True},
+         r"parallel.pp=2 needs model.tie_embeddings=false"),
         (2, {"pp": 2, "pp_microbatches": 3},
          r"parallel.pp_microbatches=3 must divide the batch each pipeline step runs, "
          r"global_batch_size/\(dp\*grad_accum_steps\)=8"),
@@ -122,12 +133,15 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
         (4, {"pp": 4, "pp_schedule": "1f1b", "pp_microbatches": 2},
          r"parallel.pp_microbatches=2 must be >= 4 for parallel.pp_schedule=1f1b"),
         (2, {"pp": 2, "pp_schedule": "dualpipev", "pp_microbatches": 2},
-         r"parallel.pp_microbatches=2 must be >= 4 for parallel.pp_schedule=dualpipev with 4 stages"),
-        (2, {"pp": 2, "pp_stage_modules": [["tok_embeddings", "layers.0"], ["layers.2", "norm", "output"]]},
+         r"parallel.pp_microbatches=2 must be >= 4 for parallel.pp_schedule=dualpipev with 4 "
+         r"stages"),
+        (2, {"pp": 2, "pp_stage_modules": [["tok_embeddings", "layers.0"],
+                                           ["layers.2", "norm", "output"]]},
          r"parallel.pp_stage_modules must be 2 lists"),
         (4, {"ep": 2}, r"parallel.ep=2 needs a mixture-of-experts model \(model.n_experts > 0\)"),
         (4, {"ep": 3, "model__n_experts": 8}, r"parallel.ep=3 must divide model.n_experts=8"),
-        (4, {"ep": 8, "model__n_experts": 8}, r"parallel.ep=8 must divide the ranks it is taken from, dp_shard\*cp=4"),
+        (4, {"ep": 8, "model__n_experts": 8},
+         r"parallel.ep=8 must divide the ranks it is taken from, dp_shard\*cp=4"),
         (4, {"tp": 0}, r"parallel.tp=0 must be >= 1"),
         (4, {"tp": -1}, r"parallel.tp=-1 must be >= 1"),
     ],
@@ -140,12 +154,14 @@ def test_rule_gives_a_config_error(world, settings, message):
 @pytest.mark.parametrize("settings, message", [
     ({"training__activation_checkpoint": "some"},
      r"training.activation_checkpoint=some must be one of \['none', 'full', 'selective'\]"),
-    ({"training__activation_checkpoint_every": 0}, r"training.activation_checkpoint_every=0 must be >= 1"),
+    ({"training__activation_checkpoint_every": 0},
+     r"training.activation_checkpoint_every=0 must be >= 1"),
     ({"training__micro_batch_size": 0}, r"training.micro_batch_size=0 must be >= 1"),
     ({"pp": 2, "pp_schedule": "zbv", "training__activation_checkpoint": "selective"},
      r"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule=zbv"),
     ({"distributed__timeout_s": 0}, r"distributed.timeout_s=0 must be > 0 seconds"),
-    ({"distributed__step_timeout_s": -5}, r"distributed.step_timeout_s=-5 must be null \(no watchdog\) or > 0 seconds"),
+    ({"distributed__step_timeout_s": -5},
+     r"distributed.step_timeout_s=-5 must be null \(no watchdog\) or > 0 seconds"),
     ({"optim__name": "sgd"}, r"optim.name=sgd is unknown; choose one of \['adamw', .*'muon'.*\]"),
 ])
 def test_checkpointing_and_timeout_rules_give_a_config_error(settings, message):
@@ -163,17 +179,22 @@ def test_an_unknown_device_is_a_config_error():
 def _check_meshes(rank, world_size):
     # Degrees in mesh order pp, dp_replicate, dp_shard, cp, tp; built directly, as later
     # parallelisms will, so every dimension is exercised.
-    for pp, rep, shard, cp, tp in [(1, 1, 8, 1, 1), (1, 2, 4, 1, 1), (2, 2, 1, 1, 2), (1, 2, 1, 2, 2), (2, 1, 2, 2, 1)]:
-        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=1, world_size=world_size)
+    for pp, rep, shard, cp, tp in [(1, 1, 8, 1, 1), (1, 2, 4, 1, 1), (2, 2, 1, 1, 2),
+                                   (1, 2, 1, 2, 2), (2, 1, 2, 2, 1)]:
+        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=1,
+                            world_size=world_size)
         mesh = dims.build_mesh("cpu")
         assert mesh.shape == (pp, rep, shard, cp, tp)
         assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-        sizes = {name: dims.view(name).size() for name in ("dp", "dp_shard_cp", "dp_cp", "tp", "pp")}
-        assert sizes == {"dp": rep * shard, "dp_shard_cp": shard * cp, "dp_cp": rep * shard * cp, "tp": tp, "pp": pp}
+        sizes = {name: dims.view(name).size() for name in ("dp", "dp_shard_cp", "dp_cp", "tp",
+                                                           "pp")}
+        assert sizes == {"dp": rep * shard, "dp_shard_cp": shard * cp, "dp_cp": rep * shard * cp,
+                         "tp": tp, "pp": pp}
         # Row-major layout: tp ranks are neighbours, pp ranks are world_size/pp apart.
         coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
         assert dims.view("tp").mesh.tolist() == [rank - coords["tp"] + i for i in range(tp)]
-        assert dims.view("pp").mesh.tolist() == [rank % (world_size // pp) + i * (world_size // pp) for i in range(pp)]
+        assert dims.view("pp").mesh.tolist() == [rank % (world_size // pp) + i * (world_size // pp)
+                                                 for i in range(pp)]
         # Every rank of a dp group shares its pp, cp and tp coordinates.
         stride = cp * tp
         assert dims.view("dp").mesh.tolist() == [
@@ -195,5 +216,6 @@ def test_the_mesh_line_names_the_expert_degree():
     from trainer.observe.describe import describe_layout
 
     dims = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, ep=2, world_size=4, moe=True)
-    assert describe_layout(dims) == "mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1 (ep=2 over dp_shard x cp)"
+    assert (describe_layout(dims)
+            == "mesh pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1 (ep=2 over dp_shard x cp)")
     assert describe_layout(dataclasses.replace(dims, ep=1)).endswith("tp=1")

@@ -1,8 +1,8 @@
-"""A model family defined here, not under trainer/: registered through the public registry and trained
-under FSDP2, TP2 and PP2 against its one-process curve. It is a Llama variant with other module names
-(embed, blocks, final_norm, lm_head; ln_1, attn.q/k/v/proj, ln_2, mlp.up/down), LayerNorm and a
-GELU MLP, so nothing the parallel code could know by name, and a config key of its own
-(model.gelu_approximate). The ranks import this module through the config's `imports`, where the
+"""A model family defined here, not under trainer/: registered through the public registry and
+trained under FSDP2, TP2 and PP2 against its one-process curve. It is a Llama variant with other
+module names (embed, blocks, final_norm, lm_head; ln_1, attn.q/k/v/proj, ln_2, mlp.up/down),
+LayerNorm and a GELU MLP, so nothing the parallel code could know by name, and a config key of its
+own (model.gelu_approximate). The ranks import this module through the config's `imports`, where the
 family registers itself."""
 
 import math
@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from helpers import train_metrics
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from trainer import build_model
 from trainer.checks.job import check_job
@@ -23,7 +28,16 @@ from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec, register_family
 from trainer.models.attention import CausalAttention
-from trainer.models.costs import FP32, Costs, Flops, Shapes, gqa_context_bytes, gqa_kept, gqa_saved, lse_bytes
+from trainer.models.costs import (
+    FP32,
+    Costs,
+    Flops,
+    Shapes,
+    gqa_context_bytes,
+    gqa_kept,
+    gqa_saved,
+    lse_bytes,
+)
 from trainer.models.decoder import apply_rope, rope_cos_sin, rope_frequencies
 from trainer.models.head import LMHead
 from trainer.models.tp_plans import LMHeadParallel, ReplicateParameters
@@ -55,7 +69,8 @@ class SelfAttention(nn.Module):
         q, k, v = self.q(x), self.k(x), self.v(x)
         batch, seq = q.shape[:2]
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
-        cos, sin = rope_cos_sin(positions, rope_frequencies(self.head_dim, self.theta, device=x.device))
+        cos, sin = rope_cos_sin(positions,
+                                rope_frequencies(self.head_dim, self.theta, device=x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.kernel(*(t.transpose(1, 2) for t in (q, k, v)), positions)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -73,7 +88,8 @@ class Block(nn.Module):
 
     def forward(self, x, positions):
         x = x + self.attn(self.ln_1(x), positions)
-        return x + self.mlp["down"](F.gelu(self.mlp["up"](self.ln_2(x)), approximate=self.approximate))
+        return x + self.mlp["down"](F.gelu(self.mlp["up"](self.ln_2(x)),
+                                           approximate=self.approximate))
 
 
 class GeluModel(nn.Module):
@@ -98,7 +114,9 @@ class GeluModel(nn.Module):
     def init_std(self, name: str) -> float | None:
         if "ln_" in name or "final_norm" in name:
             return None
-        return 0.02 / math.sqrt(2 * self.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+        if name.endswith(("proj.weight", "down.weight")):
+            return 0.02 / math.sqrt(2 * self.n_layers)
+        return 0.02
 
 
 def tp_plan(cfg: GeluConfig, sequence_parallel: bool, loss_parallel: bool) -> dict:
@@ -109,7 +127,8 @@ def tp_plan(cfg: GeluConfig, sequence_parallel: bool, loss_parallel: bool) -> di
         "final_norm": norm,
         "lm_head": LMHeadParallel(between, vocab_parallel=loss_parallel),
         "blocks.*.ln_*": norm,
-        "blocks.*.attn": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(between, None),
+                                            desired_input_layouts=(Replicate(), None)),
         "blocks.*.attn.[qkv]": ColwiseParallel(),
         "blocks.*.attn.proj": RowwiseParallel(output_layouts=between),
         "blocks.*.mlp.up": ColwiseParallel(input_layouts=between),
@@ -120,18 +139,21 @@ def tp_plan(cfg: GeluConfig, sequence_parallel: bool, loss_parallel: bool) -> di
 class GeluCosts(Costs):
     def flops(self, cfg, seq_len: int) -> Flops:
         kv = cfg.n_kv_heads * (cfg.dim // cfg.n_heads)
-        blocks = 6 * cfg.n_layers * (2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 2 * cfg.dim * cfg.ffn_dim)
-        return Flops(blocks=blocks, attention=12 * cfg.n_layers * cfg.dim * seq_len, head=6 * cfg.dim * cfg.vocab_size,
-                     float8=blocks)
+        blocks = 6 * cfg.n_layers * (2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv
+                                     + 2 * cfg.dim * cfg.ffn_dim)
+        return Flops(blocks=blocks, attention=12 * cfg.n_layers * cfg.dim * seq_len,
+                     head=6 * cfg.dim * cfg.vocab_size, float8=blocks)
 
     def activation_bytes(self, s: Shapes, layer: int) -> float:
-        """Llama's norms and attention; the MLP saves its up projection's output and the GELU of it."""
+        """Llama's norms and attention; the MLP saves its up projection's output and the GELU of
+        it."""
         elements, fp32 = gqa_saved(s, s.model.dim // s.model.n_heads)
         return (elements + 2 * s.tokens * s.model.ffn_dim // s.tp) * s.act_bytes + fp32 * FP32
 
     def selective_bytes(self, s: Shapes, layer: int, policy: str) -> float:
-        """Of the MLP, the up projection's output and the down projection's with its reduced copy (the
-        block's fifth and sixth matmuls: half_mm recomputes the down projection, keeping the copy)."""
+        """Of the MLP, the up projection's output and the down projection's with its reduced copy
+        (the block's fifth and sixth matmuls: half_mm recomputes the down projection, keeping the
+        copy)."""
         m = s.model
         elements = gqa_kept(s, m.dim // m.n_heads, policy)
         elements += s.tokens * m.ffn_dim // s.tp + (s.tokens * m.dim if policy == "ops" else 0)
@@ -142,21 +164,22 @@ class GeluCosts(Costs):
         return gqa_context_bytes(s, s.model.dim // s.model.n_heads)
 
 
-register_family(ModelSpec(family=FAMILY, config=GeluConfig, model=GeluModel, embedding="embed", blocks="blocks",
-                          head=("final_norm", "lm_head"), tp_plan=tp_plan, costs=GeluCosts(), check=check))
+register_family(ModelSpec(family=FAMILY, config=GeluConfig, model=GeluModel, embedding="embed",
+                          blocks="blocks", head=("final_norm", "lm_head"), tp_plan=tp_plan,
+                          costs=GeluCosts(), check=check))
 
 STEPS = 8
 COMMON = (
     "imports=[test_family]", "model=llama_debug", f"model.family={FAMILY}", "model.name=gelu_debug",
-    "model.n_layers=4", "model.gelu_approximate=tanh", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
-    "training.global_batch_size=8",
-    # Not the parity matrix's 3e-3: there this family's gradient norm jumps 5.1 -> 29.0 at step 4, and
-    # AdamW's division by sqrt(v) + 1e-8 turns the gradient entries that are rounding noise (which the
-    # layouts' reduction orders round apart) into whole-lr steps: 1.1e-4 (fsdp2), 1.8e-4 (tp2) with
-    # torch's AVX2 kernels (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2
-    # MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 one), 6e-5 with AVX-512's; 1e-6 with eps 1e-5. At
-    # 1e-3 nothing spikes: fsdp2 5.3e-6, tp2 5.4e-6, pp2 1.8e-7 with AVX2 kernels, 5.7e-6, 6.0e-6, 9.7e-8
-    # with AVX-512 (a Zen 4).
+    "model.n_layers=4", "model.gelu_approximate=tanh", "+smoke=cpu", f"training.steps={STEPS}",
+    "training.seq_len=64", "training.global_batch_size=8",
+    # Not the parity matrix's 3e-3: there this family's gradient norm jumps 5.1 -> 29.0 at step 4,
+    # and AdamW's division by sqrt(v) + 1e-8 turns the gradient entries that are rounding noise
+    # (which the layouts' reduction orders round apart) into whole-lr steps: 1.1e-4 (fsdp2), 1.8e-4
+    # (tp2) with torch's AVX2 kernels (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2
+    # DNNL_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 one), 6e-5 with AVX-512's;
+    # 1e-6 with eps 1e-5. At 1e-3 nothing spikes: fsdp2 5.3e-6, tp2 5.4e-6, pp2 1.8e-7 with AVX2
+    # kernels, 5.7e-6, 6.0e-6, 9.7e-8 with AVX-512 (a Zen 4).
     "training.lr=1e-3", "training.warmup_steps=2",
 )
 LAYOUTS = {
@@ -169,15 +192,17 @@ LAYOUTS = {
 def test_the_family_builds_with_its_own_names():
     model = build_model({"family": FAMILY, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                          "vocab_size": 300, "ffn_dim": 96})
-    assert {"embed.weight", "blocks.1.mlp.up.weight", "lm_head.weight"} <= {n for n, _ in model.named_parameters()}
+    assert ({"embed.weight", "blocks.1.mlp.up.weight", "lm_head.weight"}
+            <= {n for n, _ in model.named_parameters()})
     assert model(torch.randint(0, 300, (2, 8))).shape == (2, 8, 300)
 
 
 def test_the_family_declares_a_key_of_its_own():
     job = compose_job(list(COMMON))
     assert isinstance(job.model, GeluConfig) and job.model.gelu_approximate == "tanh"
-    with pytest.raises(ConfigError, match=r"model.gelu_aproximate is not a key of model.family=gelu_test; did you "
-                                          r"mean model.gelu_approximate\?"):
+    with pytest.raises(ConfigError,
+                       match=r"model.gelu_aproximate is not a key of model.family=gelu_test; did "
+                             r"you mean model.gelu_approximate\?"):
         compose_job([*COMMON, "model.gelu_aproximate=none"])
     with pytest.raises(ConfigError, match=r"model.gelu_approximate=erf must be none or tanh"):
         check_job(compose_job([*COMMON, "model.gelu_approximate=erf"]), world=1)
@@ -185,7 +210,8 @@ def test_the_family_declares_a_key_of_its_own():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
-    return train_metrics(1, "+recipe=llama_fsdp", *COMMON, output_dir=tmp_path_factory.mktemp("reference"))
+    return train_metrics(1, "+recipe=llama_fsdp", *COMMON,
+                         output_dir=tmp_path_factory.mktemp("reference"))
 
 
 @pytest.mark.multiprocess

@@ -26,28 +26,34 @@ from trainer.checkpoint.hf import config_from_hf
 from trainer.checkpoint.state import saved_config
 from trainer.errors import ConfigError
 
-SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, rms_norm_eps=1e-5)
-# Llama 3.1's rotary scaling with an original context of 32 tokens, shorter than the 80 of `tokens()`.
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=32)
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+# Llama 3.1's rotary scaling with an original context
+# of 32 tokens, shorter than the 80 of `tokens()`.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=32)
 # DeepSeek-V3: MLA with a query latent, YaRN (an original context of 32, beyond it the mscale in the
-# softmax), 4 groups of which a token uses 2, a shared expert; then without the query latent or groups.
-DEEPSEEK = dict(SHAPE, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
-                num_hidden_layers=3, norm_topk_prob=True, num_nextn_predict_layers=0, max_position_embeddings=128)
-DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
-                     beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+# softmax), 4 groups of which a token uses 2, a shared
+# expert; then without the query latent or groups.
+DEEPSEEK = dict(SHAPE, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                num_experts_per_tok=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, first_k_dense_replace=1, num_hidden_layers=3, norm_topk_prob=True,
+                num_nextn_predict_layers=0, max_position_embeddings=128)
+DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                     original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+                     mscale=0.707, mscale_all_dim=0.707)
 FAMILIES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(rope_theta=5000.0, **SHAPE)),
-    "llama3_rope": lambda: LlamaForCausalLM(LlamaConfig(rope_parameters=LLAMA3_ROPE, max_position_embeddings=128,
+    "llama3_rope": lambda: LlamaForCausalLM(LlamaConfig(rope_parameters=LLAMA3_ROPE,
+                                                        max_position_embeddings=128, **SHAPE)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                                         **SHAPE)),
-    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SHAPE)),
     # Heads wider than hidden_size / heads (32, not 16), tied embeddings.
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=32, tie_word_embeddings=True, rope_theta=1e6, **SHAPE)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=32, tie_word_embeddings=True,
+                                                  rope_theta=1e6, **SHAPE)),
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
-        **SHAPE)),
+        head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        norm_topk_prob=True, **SHAPE)),
     "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
         q_lora_rank=16, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
         rope_parameters=DEEPSEEK_YARN, **DEEPSEEK)),
@@ -99,9 +105,12 @@ def test_import_and_export_keep_transformers_logits(family, tmp_path):
     load_weights(converted, tmp_path / "ours")
     # float32, in shards of at most 60 kB (the model is about 400 kB; the 77 kB embedding gets one
     # of its own): transformers reads the index.
-    convert("to-hf", tmp_path / "ours", tmp_path / "back", "--dtype", "float32", "--max-shard-size", "60KB")
-    weight_map = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())["weight_map"]
-    shards = {s: [name for name, file in weight_map.items() if file == s] for s in set(weight_map.values())}
+    convert("to-hf", tmp_path / "ours", tmp_path / "back", "--dtype", "float32", "--max-shard-size",
+            "60KB")
+    index = tmp_path / "back" / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shards = {s: [name for name, file in weight_map.items() if file == s]
+              for s in set(weight_map.values())}
     assert len(shards) > 4
     for shard, names in shards.items():
         assert (tmp_path / "back" / shard).stat().st_size <= 60_000 + 4096 or len(names) == 1, shard
@@ -121,10 +130,12 @@ def test_export_defaults_to_bfloat16_in_one_file(tmp_path):
     hf_model("mixtral", tmp_path / "hf")
     convert("from-hf", tmp_path / "hf", tmp_path / "ours")
     convert("to-hf", tmp_path / "ours", tmp_path / "back")
-    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "model.safetensors"]
+    assert (sorted(p.name for p in (tmp_path / "back").iterdir())
+            == ["config.json", "model.safetensors"])
     assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     written = load_file(tmp_path / "back" / "model.safetensors")
-    expected = {name: t.to(torch.bfloat16) for name, t in load_file(tmp_path / "hf" / "model.safetensors").items()}
+    expected = {name: t.to(torch.bfloat16)
+                for name, t in load_file(tmp_path / "hf" / "model.safetensors").items()}
     assert written.keys() == expected.keys()
     for name, tensor in written.items():
         assert torch.equal(tensor, expected[name]), name
@@ -136,9 +147,11 @@ def test_safetensors_blocks_read_without_a_memory_map(tmp_path, monkeypatch):
     from trainer.checkpoint import safetensors_io
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(7, 5, 3, generator=g), "b": torch.randn(9, generator=g).to(torch.bfloat16)}
+    tensors = {"a": torch.randn(7, 5, 3, generator=g),
+               "b": torch.randn(9, generator=g).to(torch.bfloat16)}
     save_file(tensors, tmp_path / "x.safetensors")
-    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 40)  # rows with sliced columns: read in chunks of 2
+    # rows with sliced columns: read in chunks of 2
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 40)
     file = safetensors_io.SafetensorsFile(tmp_path / "x.safetensors")
     for box in [(slice(0, 7), slice(0, 5), slice(0, 3)), (slice(2, 6), slice(0, 5), slice(0, 3)),
                 (slice(1, 6), slice(2, 4), slice(0, 3)), (slice(0, 7), slice(0, 5), slice(1, 2)),
@@ -160,16 +173,21 @@ def test_rotary_scaling_read_from_either_form_and_refused_when_unknown(tmp_path)
     hf_model("llama3_rope", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     scaling = config_from_hf(tmp_path).rope_scaling
-    assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_seq_len) == (
-        8.0, 1.0, 4.0, 32)
+    assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+            scaling.original_max_seq_len) == (8.0, 1.0, 4.0, 32)
     old = {k: v for k, v in config.items() if k != "rope_parameters"}  # as transformers 4 writes it
-    old |= {"rope_theta": 5000.0, "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}
+    old |= {"rope_theta": 5000.0,
+            "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}
     (tmp_path / "config.json").write_text(json.dumps(old))
-    assert config_from_hf(tmp_path).rope_scaling == scaling and config_from_hf(tmp_path).rope_theta == 5000.0
-    (tmp_path / "config.json").write_text(json.dumps(old | {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
-    with pytest.raises(ConfigError, match=r"rope type longrope is not supported \(default, llama3, yarn\)"):
+    assert (config_from_hf(tmp_path).rope_scaling == scaling
+            and config_from_hf(tmp_path).rope_theta == 5000.0)
+    longrope = {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(old | longrope))
+    with pytest.raises(ConfigError,
+                       match=r"rope type longrope is not supported \(default, llama3, yarn\)"):
         config_from_hf(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(old | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(old | yarn))
     with pytest.raises(ConfigError, match="rope type yarn needs original_max_position_embeddings"):
         config_from_hf(tmp_path)
 
@@ -183,7 +201,8 @@ def test_rotary_layout_matters(tmp_path):
     head_dim = 16
     with torch.no_grad():
         for proj in (ours.layers["0"].attention.wq, ours.layers["0"].attention.wk):
-            rows = proj.weight.view(-1, 2, head_dim // 2, 64).transpose(1, 2).reshape(proj.weight.shape)
+            rows = proj.weight.view(-1, 2, head_dim // 2, 64).transpose(1, 2)
+            rows = rows.reshape(proj.weight.shape)
             proj.weight.copy_(rows)
         assert not torch.allclose(ours(tokens()), hf(tokens()).logits, atol=1e-3)
 
@@ -196,11 +215,12 @@ def test_initial_weights_from_a_hugging_face_directory(family, recipe, tmp_path)
     checkpoint holds them."""
     hf = hf_model(family, tmp_path / "hf")
     shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96)
-    shape |= dict(rope_theta=5000.0) if family == "llama" else dict(n_experts=4, top_k=2, rope_theta=1e6)
+    shape |= (dict(rope_theta=5000.0) if family == "llama"
+              else dict(n_experts=4, top_k=2, rope_theta=1e6))
     model = [f"model={family}_debug", *(f"model.{k}={v}" for k, v in shape.items())]
-    result = launch(2, f"+recipe={recipe}", "+smoke=cpu", *model, "training.steps=1", "training.lr=0",
-                    "training.seq_len=32", f"checkpoint.initial={tmp_path / 'hf'}", "checkpoint.enabled=true",
-                    output_dir=tmp_path / "run")
+    result = launch(2, f"+recipe={recipe}", "+smoke=cpu", *model, "training.steps=1",
+                    "training.lr=0", "training.seq_len=32", f"checkpoint.initial={tmp_path / 'hf'}",
+                    "checkpoint.enabled=true", output_dir=tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"initial weights from {tmp_path / 'hf'}" in result.stdout
     ours = build_model(config_from_hf(tmp_path / "hf"))
@@ -233,21 +253,24 @@ def _load_by_slices(rank, world, path, expected_file):
     peak_mib = peak_rss_mib()
     expected = torch.load(expected_file)
     with torch.no_grad():
-        torch.testing.assert_close(model(expected["tokens"]), expected["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(expected["tokens"]), expected["logits"], rtol=1e-5,
+                                   atol=1e-5)
     peaks = [None] * world
     torch.distributed.all_gather_object(peaks, peak_mib)
     model_mib = expected["bytes"] / 2**20
     print(f"rank {rank}: peak RSS {peak_mib:.0f} MiB; all ranks {[round(p) for p in peaks]} MiB; "
           f"model {model_mib:.0f} MiB")
-    assert max(peaks) < 0.75 * model_mib, f"peak RSS per rank {peaks} MiB, the model is {model_mib:.0f} MiB"
+    assert max(peaks) < 0.75 * model_mib, (
+        f"peak RSS per rank {peaks} MiB, the model is {model_mib:.0f} MiB")
 
 
 @pytest.mark.multiprocess
 def test_four_fsdp_ranks_read_only_their_slices_of_a_300m_model(tmp_path):
     """checkpoint.initial=HF_DIR on 4 ranks: each rank's peak memory stays well under the model's
     size (each reads its own slices), and the logits are transformers' own."""
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
-                         num_attention_heads=16, num_key_value_heads=8, rope_theta=500000.0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                         rope_theta=500000.0)
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "hf", max_shard_size="300MB")

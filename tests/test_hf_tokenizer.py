@@ -1,6 +1,7 @@
-"""The tokenizer travels with the weights: a checkpoint keeps the files of the tokenizer it was trained
-with, and the Hugging Face export writes them with the right special ids, so that transformers'
-AutoTokenizer encodes as training did and `generate` stops on the trained end-of-sequence token."""
+"""The tokenizer travels with the weights: a checkpoint keeps the files of the tokenizer it was
+trained with, and the Hugging Face export writes them with the right special ids, so that
+transformers' AutoTokenizer encodes as training did and `generate` stops on the trained
+end-of-sequence token."""
 
 import json
 import sys
@@ -18,7 +19,8 @@ from trainer.errors import ConfigError
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_hf  # noqa: E402
 
-TEXT = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine", "\"quoted\" words, too"]
+TEXT = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
+        "\"quoted\" words, too"]
 
 
 def bpe_tokenizer(folder):
@@ -66,17 +68,21 @@ def test_an_export_without_a_tokenizer_says_so_and_claims_no_ids(tmp_path, capsy
     assert "no tokenizer:" in capsys.readouterr().out
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["eos_token_id"] is None and config["bos_token_id"] is None
-    with pytest.raises(ConfigError, match=r"has ids up to 299, beyond the model's vocabulary of 256"):
-        small = build_model({"family": "llama", "dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+    with pytest.raises(ConfigError,
+                       match=r"has ids up to 299, beyond the model's vocabulary of 256"):
+        small = build_model({"family": "llama", "dim": 32, "n_layers": 1, "n_heads": 2,
+                             "n_kv_heads": 2,
                              "vocab_size": 256, "ffn_dim": 64}, seed=0)
         save_weights(small.config, dict(small.state_dict()), tmp_path / "small")
         convert_hf.to_hf(tmp_path / "small", tmp_path / "hf2", None, "bfloat16", "5GB",
                          str(bpe_tokenizer(tmp_path / "tok")))
 
 
-def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tmp_path, monkeypatch, capsys):
-    """checkpoint.initial from a directory of another shape: one error naming every differing key with
-    the overrides that match it (applied, the check passes); from-hf --write-config makes the config."""
+def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tmp_path, monkeypatch,
+                                                                              capsys):
+    """checkpoint.initial from a directory of another shape: one error naming every differing key
+    with the overrides that match it (applied, the check passes); from-hf --write-config makes the
+    config."""
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,14 +92,16 @@ def test_a_shape_mismatch_names_every_key_and_from_hf_writes_the_model_config(tm
     from trainer.config import files as config_files
     from trainer.models import model_config
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0)).save_pretrained(
-        tmp_path / "hf")
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 rope_theta=5000.0)).save_pretrained(tmp_path / "hf")
     theirs, ours = config_from_hf(tmp_path / "hf"), model_config("llama_debug")
     with pytest.raises(CheckpointError) as e:
         check_same_shape(ours, theirs, "checkpoint.initial=hf")
     message = str(e.value)
-    for key in ("dim=64", "n_layers=2", "n_heads=4", "n_kv_heads=2", "vocab_size=300", "ffn_dim=96"):
+    for key in ("dim=64", "n_layers=2", "n_heads=4", "n_kv_heads=2", "vocab_size=300",
+                "ffn_dim=96"):
         assert f"model.{key} (this model:" in message, message
     overrides = message.split("to train it, add ")[1].split()
     model_overrides = OmegaConf.from_dotlist([o[len("model."):] for o in overrides])
@@ -129,22 +137,24 @@ def test_a_run_from_hugging_face_weights_trains_with_their_tokenizer(tmp_path):
     from helpers import launch
 
     spec = str(bpe_tokenizer(tmp_path / "tok"))
-    shape = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300,
-             "ffn_dim": 96}
+    shape = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+             "vocab_size": 300, "ffn_dim": 96}
     model = build_model(shape, seed=0)
     save_weights(model.config, dict(model.state_dict()), tmp_path / "ckpt", tokenizer=spec)
     convert_hf.to_hf(tmp_path / "ckpt", tmp_path / "hf", None, "float32", "5GB")
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text(" ".join(TEXT * 30))
-    result = launch(1, "model=llama_debug", *(f"model.{k}={v}" for k, v in shape.items()), "+smoke=cpu",
-                    "training.steps=2", "training.seq_len=16", "data.source=text",
+    result = launch(1, "model=llama_debug", *(f"model.{k}={v}" for k, v in shape.items()),
+                    "+smoke=cpu", "training.steps=2", "training.seq_len=16", "data.source=text",
                     f"data.path={tmp_path}/corpus/*.txt", f"checkpoint.initial={tmp_path / 'hf'}",
-                    "checkpoint.enabled=true", f"data.cache_dir={tmp_path / 'cache'}", output_dir=tmp_path / "run")
+                    "checkpoint.enabled=true", f"data.cache_dir={tmp_path / 'cache'}",
+                    output_dir=tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     said = f"data.tokenizer=auto takes the tokenizer beside checkpoint.initial: {tmp_path / 'hf'}"
     assert result.stdout.count(said) == 1, result.stdout
     from omegaconf import OmegaConf
 
-    assert OmegaConf.load(tmp_path / "run" / "config.yaml").data.tokenizer == str(tmp_path / "hf")  # reruns compare it
+    # reruns compare it
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").data.tokenizer == str(tmp_path / "hf")
     kept = tmp_path / "run" / "checkpoints" / "step_2" / "tokenizer.json"
     assert kept.read_text() == (tmp_path / "tok" / "tokenizer.json").read_text()

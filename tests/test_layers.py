@@ -1,4 +1,5 @@
-"""RMSNorm and SwiGLU with their own backward: torch's forward exactly, its gradients, and less saved."""
+"""RMSNorm and SwiGLU with their own backward: torch's forward exactly, its gradients, and less
+saved."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from trainer.models.layers import RMSNorm, _RMSNorm, swiglu
 
 
 def saved_bytes(fn, *inputs) -> int:
-    """Bytes of the distinct storages autograd saves while fn runs (parameters and inputs included)."""
+    """Bytes of the distinct storages autograd saves while fn runs (parameters and inputs
+    included)."""
     storages = {}
 
     def pack(t):
@@ -20,7 +22,8 @@ def saved_bytes(fn, *inputs) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 0.0), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("dtype, tol",
+                         [(torch.float32, 1e-6), (torch.bfloat16, 0.0), (torch.float64, 1e-12)])
 def test_rms_norm_computes_torchs_forward_and_its_gradients(dtype, tol):
     torch.manual_seed(0)
     x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
@@ -50,7 +53,8 @@ def test_swiglu_equals_the_plain_product_and_its_gradients(dtype):
     expected, out = F.silu(gate) * up, swiglu(gate, up)
     assert torch.equal(out, expected)
     grad = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(expected, (gate, up), grad), torch.autograd.grad(out, (gate, up), grad)):
+    for a, b in zip(torch.autograd.grad(expected, (gate, up), grad),
+                    torch.autograd.grad(out, (gate, up), grad)):
         assert torch.equal(a, b)
 
 

@@ -1,5 +1,5 @@
-"""The code passes the linter (ruff; its rules and line length are in pyproject.toml), and the package's
-rooms import downward only (trainer/README.md)."""
+"""The code passes the linter (ruff; its rules and line length are in pyproject.toml), and the
+package's rooms import downward only (trainer/README.md)."""
 
 import ast
 import subprocess
@@ -24,13 +24,14 @@ def test_the_readme_stays_a_manual():
 
 
 # Each room's floor (trainer/README.md): a module imports from its own room or a lower floor.
-FLOORS = {"errors": 0, "tensors": 0, "hardware": 0, "step_parts": 0, "distributed": 1, "config": 1, "models": 2,
-          "optim": 3, "float8": 3, "parallel": 4, "data": 5, "checkpoint": 6, "faults": 7, "observe": 7,
-          "checks": 8, "plan": 9, "run": 10}
+FLOORS = {"errors": 0, "tensors": 0, "hardware": 0, "step_parts": 0, "distributed": 1, "config": 1,
+          "models": 2, "optim": 3, "float8": 3, "parallel": 4, "data": 5, "checkpoint": 6,
+          "faults": 7, "observe": 7, "checks": 8, "plan": 9, "run": 10}
 
 
 def imports_of_each_module() -> dict[str, list[tuple[str, bool]]]:
-    """Every module of trainer/ -> the trainer modules it imports, each with whether at module level."""
+    """Every module of trainer/ -> the trainer modules it imports, each with whether at module
+    level."""
     paths = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
              for p in sorted((REPO / "trainer").rglob("*.py"))}
     found = {}
@@ -43,7 +44,8 @@ def imports_of_each_module() -> dict[str, list[tuple[str, bool]]]:
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 # `from trainer.data import chat`: the submodule chat, where there is one
-                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in paths else node.module
+                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in paths
+                           else node.module
                            for alias in node.names]
             else:
                 continue
@@ -60,7 +62,8 @@ def test_the_rooms_import_downward_and_no_module_imports_itself_round():
               and FLOORS[room(target)] >= FLOORS[room(name)]]
     assert not upward, upward
     # Cycles among module-level imports (an import inside a function runs later and closes none).
-    graph = {name: {t for t, top in targets if top and t in modules} for name, targets in modules.items()}
+    graph = {name: {t for t, top in targets if top and t in modules}
+             for name, targets in modules.items()}
     done, path = set(), []
 
     def visit(name: str) -> None:
@@ -84,7 +87,9 @@ def test_no_function_of_the_package_is_longer_than_a_reader_can_hold():
     for path in sorted((REPO / "trainer").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1
+                lines = (node.end_lineno
+                         - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1)
                 if lines > LONGEST_FUNCTION:
-                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} "
+                                "lines)")
     assert not long, long

@@ -18,7 +18,8 @@ def head_and_input(dtype, chunk):
     head = LMHead(64, 500, chunk_tokens=chunk).to(dtype)
     h = torch.randn(3, 11, 64, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, 500, (3, 11))
-    labels[0, 3] = IGNORE_INDEX  # ignored labels inside a chunk, and a whole row of them across chunks' edges
+    # ignored labels inside a chunk, and a whole row of them across chunks' edges
+    labels[0, 3] = IGNORE_INDEX
     labels[2, :] = IGNORE_INDEX
     return head, h, labels
 
@@ -34,7 +35,8 @@ def test_chunked_loss_and_gradients_equal_the_plain_loss(chunk, dtype, tolerance
     plain = cross_entropy(head(h), labels)
     (0.37 * plain).backward()
     assert loss.dtype == torch.float32 and abs(loss.item() / plain.item() - 1) <= 1e-6
-    assert relative(grads[0], h.grad) <= tolerance and relative(grads[1], head.weight.grad) <= tolerance
+    assert (relative(grads[0], h.grad) <= tolerance
+            and relative(grads[1], head.weight.grad) <= tolerance)
     assert grads[0].dtype == h.dtype and grads[1].dtype == head.weight.dtype
 
 
@@ -60,7 +62,8 @@ def test_without_grad_mode_only_the_loss_is_computed():
     head, h, labels = head_and_input(torch.float32, 7)
     with torch.no_grad():
         loss = head(h, labels)
-    assert not loss.requires_grad and abs(loss.item() / cross_entropy(head(h), labels).item() - 1) <= 1e-6
+    assert not loss.requires_grad
+    assert abs(loss.item() / cross_entropy(head(h), labels).item() - 1) <= 1e-6
 
 
 def test_every_label_ignored_gives_zero_not_nan():

@@ -10,7 +10,8 @@ TORCH = [{"filename": "/y/torch/optim/adamw.py", "line": 3, "name": "step"}]
 
 def snapshot():
     """Blocks of 100 (weights, before recording) and 40 live at the end; during the trace 50 (our
-    code, from torch's optimizer) and 30 were allocated and freed: the peak (220) had 100, 40, 50, 30."""
+    code, from torch's optimizer) and 30 were allocated and freed: the peak (220) had 100, 40, 50,
+    30."""
     segments = [{"device": 0, "address": 1000, "stream": 0, "total_size": 200, "blocks": [
         {"size": 100, "state": "active_allocated"},
         {"size": 60, "state": "inactive"},
@@ -33,13 +34,15 @@ def test_the_peak_is_the_largest_live_set_and_names_its_blocks():
     assert {b["address"]: b["frames"] for b in blocks}[1100] == OURS + TORCH  # from its alloc event
     assert origin(OURS + TORCH) == "loop.py:7 train_step <- adamw.py:3 step"
     weight = torch.empty(25)  # 100 bytes, standing for a block allocated before recording
-    text = report(snapshot() | {"segments": [{**snapshot()["segments"][0], "address": weight.data_ptr()}],
+    text = report(snapshot() | {"segments": [{**snapshot()["segments"][0],
+                                              "address": weight.data_ptr()}],
                                 "device_traces": [[]]}, {"weights": [weight]})
     assert "peak 0.00 GiB" in text and "weights" in text
 
 
 def test_side_streams_reserve_what_their_segments_hold():
-    side = {"device": 0, "address": 5000, "stream": 7, "total_size": 64, "blocks": [{"size": 64, "state": "inactive"}]}
+    side = {"device": 0, "address": 5000, "stream": 7, "total_size": 64,
+            "blocks": [{"size": 64, "state": "inactive"}]}
     data = snapshot()
     assert side_stream_bytes(data) == 0
     assert side_stream_bytes(data | {"segments": [*data["segments"], side]}) == 64

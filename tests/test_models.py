@@ -12,7 +12,8 @@ from trainer.models import count_params, init_weights, materialize, model_config
 from trainer.models.moe_config import MoEConfig
 from trainer.parallel.fsdp import apply_fsdp
 
-TINY = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "ffn_dim": 96}
+TINY = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+        "vocab_size": 300, "ffn_dim": 96}
 
 
 def test_build_model_by_name_gives_the_debug_size():
@@ -30,21 +31,26 @@ def test_build_model_from_mapping_or_dataclass():
 
 
 # A model config as versions before the families declared their own keys saved it (a checkpoint's
-# model_config.yaml, a run's config.yaml): every key of every family, at its unused value where unused.
-EARLIER = {**TINY, "name": "tiny", "norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "max_seq_len": 2048,
-           "tie_embeddings": False, "head_dim": None, "n_experts": 0, "top_k": 0, "aux_loss_coef": 0.0,
-           "z_loss_coef": 0.0, "capacity_factor": None, "route_score": "softmax", "route_norm": True,
-           "route_scale": 1.0, "n_shared_experts": 0, "n_expert_groups": 1, "top_groups": 1, "bias_update_speed": 0.0}
+# model_config.yaml, a run's config.yaml): every key
+# of every family, at its unused value where unused.
+EARLIER = {**TINY, "name": "tiny", "norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+           "max_seq_len": 2048, "tie_embeddings": False, "head_dim": None, "n_experts": 0,
+           "top_k": 0, "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "capacity_factor": None,
+           "route_score": "softmax", "route_norm": True, "route_scale": 1.0, "n_shared_experts": 0,
+           "n_expert_groups": 1, "top_groups": 1, "bias_update_speed": 0.0}
 
 
 def test_a_model_config_saved_by_an_earlier_version_reads_as_before():
     assert model_config(EARLIER) == model_config({**TINY, "name": "tiny"})
     moe = model_config({**EARLIER, "family": "qwen3_moe", "n_experts": 4, "top_k": 2})
-    assert isinstance(moe, MoEConfig) and (moe.n_experts, moe.top_k, moe.head_dim) == (4, 2, 16)  # null: dim / n_heads
-    check_same_shape(moe, model_config({**TINY, "family": "qwen3_moe", "n_experts": 4, "top_k": 2, "head_dim": 16}),
-                     "checkpoint.initial")
-    with pytest.raises(ConfigError, match=r"model.n_experts is not a key of model.family=llama; it is one of "
-                                          r"model.family=deepseek_v3 or mixtral or qwen3_moe"):
+    # null: dim / n_heads
+    assert isinstance(moe, MoEConfig) and (moe.n_experts, moe.top_k, moe.head_dim) == (4, 2, 16)
+    other = model_config({**TINY, "family": "qwen3_moe", "n_experts": 4, "top_k": 2,
+                          "head_dim": 16})
+    check_same_shape(moe, other, "checkpoint.initial")
+    with pytest.raises(ConfigError,
+                       match=r"model.n_experts is not a key of model.family=llama; it is one of "
+                             r"model.family=deepseek_v3 or mixtral or qwen3_moe"):
         model_config({**EARLIER, "n_experts": 4})  # a value that means something is not dropped
     with pytest.raises(ConfigError, match=r"model.top_k=two must be an integer"):
         model_config({**TINY, "family": "mixtral", "top_k": "two"})
@@ -73,14 +79,16 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     """GQA with 2 kv heads is multi-head attention whose k/v weights repeat each head."""
     gqa = build_model(TINY)
     mha = build_model({**TINY, "n_kv_heads": 4})
-    shared = {k: v for k, v in gqa.state_dict().items() if not k.endswith(("wk.weight", "wv.weight"))}
+    shared = {k: v for k, v in gqa.state_dict().items()
+              if not k.endswith(("wk.weight", "wv.weight"))}
     mha.load_state_dict(shared, strict=False)
     head_dim = 16
     with torch.no_grad():
         for name in ("wk", "wv"):
             for g, m in zip(gqa.layers.values(), mha.layers.values()):
                 w = getattr(g.attention, name).weight.view(2, head_dim, 64)
-                getattr(m.attention, name).weight.copy_(w.repeat_interleave(2, dim=0).reshape(64, 64))
+                repeated = w.repeat_interleave(2, dim=0).reshape(64, 64)
+                getattr(m.attention, name).weight.copy_(repeated)
     tokens = torch.randint(0, 300, (2, 10))
     torch.testing.assert_close(gqa(tokens), mha(tokens))
 
@@ -102,11 +110,12 @@ def _sharded_init_matches_unsharded(rank, world_size, tie):
     from trainer.parallel.dims import ParallelDims
 
     spec = {**TINY, "tie_embeddings": tie, "vocab_size": 301}  # 301 rows: uneven shards
-    dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, world_size=world_size)
+    dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1,
+                        world_size=world_size)
     dims.build_mesh("cpu")
     model = build_model(spec, device="meta")
-    apply_fsdp(model, list(model.layers.values()), model.tok_embeddings, [model.norm, model.output], dims.fsdp_mesh,
-               torch.float32, torch.float32)
+    apply_fsdp(model, list(model.layers.values()), model.tok_embeddings, [model.norm, model.output],
+               dims.fsdp_mesh, torch.float32, torch.float32)
     materialize(model, "cpu")
     init_weights(model, seed=3)
     reference = dict(build_model(spec, seed=3).named_parameters())
@@ -134,7 +143,8 @@ def test_released_qwen3_shapes_build_on_meta_with_their_parameter_counts(name):
     total, active = RELEASED[name]
     assert count_params(model) == pytest.approx(total, rel=0.01)
     attention = model.layers["0"].attention
-    assert attention.wq.weight.shape == (cfg.n_heads * 128, cfg.dim) and attention.q_norm.weight.shape == (128,)
+    assert (attention.wq.weight.shape == (cfg.n_heads * 128, cfg.dim)
+            and attention.q_norm.weight.shape == (128,))
     if active is not None:
         unused = (cfg.n_experts - cfg.top_k) * 3 * cfg.dim * cfg.ffn_dim * cfg.n_layers
         assert count_params(model) - unused == pytest.approx(active, rel=0.02)

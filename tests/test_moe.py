@@ -1,4 +1,5 @@
-"""The MoE layer: routing, the auxiliary losses, capacity, and expert parallel against the local layer."""
+"""The MoE layer: routing, the auxiliary losses, capacity, and expert parallel against the local
+layer."""
 
 import copy
 import math
@@ -38,7 +39,8 @@ def test_load_balancing_loss_equals_the_hand_computed_value():
     ((routed, balance, dropped),) = layer.routing_records
     assert balance.item() == pytest.approx(expected, rel=1e-6)
     assert routed.tolist() == [4, 4, 0, 0] and dropped.item() == 0
-    # The router's gradient is that of coefficient * scale * the loss (the output's gradient is zero).
+    # The router's gradient is that of coefficient *
+    # scale * the loss (the output's gradient is zero).
     weight = layer.router.weight.detach().clone().requires_grad_()
     probs = (x.view(4, 4) @ weight.T).softmax(-1).mean(0)
     (0.1 * 0.5 * 4 * (torch.tensor([1.0, 1.0, 0.0, 0.0]) * probs).sum()).backward()
@@ -46,7 +48,8 @@ def test_load_balancing_loss_equals_the_hand_computed_value():
 
 
 def test_capacity_drops_the_overflow_and_counts_it():
-    layer, x = skewed_layer(capacity_factor=1.0)  # ceil(1.0 * 4 tokens * 2 / 4 experts) = 2 slots each
+    # ceil(1.0 * 4 tokens * 2 / 4 experts) = 2 slots each
+    layer, x = skewed_layer(capacity_factor=1.0)
     out = layer(x)
     out.sum().backward()
     ((routed, _, dropped),) = layer.routing_records
@@ -60,8 +63,8 @@ class HostSyncs(TorchDispatchMode):
     whose output size depends on the data (nonzero, boolean masks, bincount, repeat_interleave
     without `output_size`). On the CPU nothing waits, so the calls themselves are counted."""
 
-    SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::bincount",
-               "aten::unique_consecutive", "aten::_unique2"}
+    SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+               "aten::bincount", "aten::unique_consecutive", "aten::_unique2"}
 
     def __init__(self):
         super().__init__()
@@ -70,8 +73,10 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        bool_index = name == "aten::index" and any(i is not None and i.dtype == torch.bool for i in args[1])
-        sized_later = name == "aten::repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3
+        bool_index = name == "aten::index" and any(i is not None and i.dtype == torch.bool
+                                                   for i in args[1])
+        sized_later = (name == "aten::repeat_interleave" and kwargs.get("output_size") is None
+                       and len(args) < 3)
         if name in self.SYNCING or bool_index or sized_later:
             self.seen.append(name)
         return func(*args, **kwargs)
@@ -109,7 +114,8 @@ def test_top_k_weights_are_a_softmax_over_the_chosen_logits():
     experts = layer.experts
     h = x.view(4, 4)
     expected = sum(
-        w * ((torch.nn.functional.silu(h @ experts.w1[e].T) * (h @ experts.w3[e].T)) @ experts.w2[e].T)
+        w * ((torch.nn.functional.silu(h @ experts.w1[e].T) * (h @ experts.w3[e].T))
+             @ experts.w2[e].T)
         for w, e in zip(chosen, (0, 1))
     )
     torch.testing.assert_close(out.view(4, 4), expected)
@@ -154,30 +160,36 @@ def test_sigmoid_scores_renormalised_scaled_within_the_best_groups():
     experts 2 and 3 for the choice moves their group ahead, but weights come from the scores."""
     routing = Routing(score="sigmoid", scale=2.5, n_groups=2, top_groups=1, bias_update_speed=0.1)
     layer, x = skewed_layer(routing=routing)
-    scores, chosen, weights = choose_experts(layer.router(x.view(4, 4)), routing, 2, layer.expert_bias)
+    scores, chosen, weights = choose_experts(layer.router(x.view(4, 4)), routing, 2,
+                                             layer.expert_bias)
     assert chosen.tolist() == [[0, 1]] * 4
     s = torch.tensor([3.0, 2.0]).sigmoid()
     torch.testing.assert_close(weights, (2.5 * s / s.sum()).expand(4, 2))
     with torch.no_grad():
         layer.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.6, 0.6]))
-    scores, chosen, weights = choose_experts(layer.router(x.view(4, 4)), routing, 2, layer.expert_bias)
+    scores, chosen, weights = choose_experts(layer.router(x.view(4, 4)), routing, 2,
+                                             layer.expert_bias)
     assert chosen.sort(-1).values.tolist() == [[2, 3]] * 4
-    torch.testing.assert_close(weights, torch.full((4, 2), 2.5 / 2))  # sigmoid(0) each, renormalised
+    # sigmoid(0) each, renormalised
+    torch.testing.assert_close(weights, torch.full((4, 2), 2.5 / 2))
 
 
 def test_shared_experts_run_on_every_token_beside_the_routed_ones():
     layer, x = skewed_layer(n_shared_experts=2)
     plain = MoE(dim=4, ffn_dim=8, n_experts=4, top_k=2)
-    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("shared.")})
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items()
+                           if not k.startswith("shared.")})
     assert layer.shared.w1.weight.shape == (16, 4)  # two experts 8 wide, as one
     torch.testing.assert_close(layer(x), plain(x) + layer.shared(x))
 
 
 def favoured_expert_run(steps: int, speed: float) -> tuple[torch.Tensor, list[float]]:
-    """A layer of 8 experts (top 2, sigmoid) whose router favours expert 0 for every token of the data;
-    the biases move after each step. -> (each step's slots per expert over the mean, expert 0's bias per step)."""
+    """A layer of 8 experts (top 2, sigmoid) whose router favours expert 0 for every token of the
+    data; the biases move after each step. -> (each step's slots per expert over the mean, expert
+    0's bias per step)."""
     torch.manual_seed(0)
-    layer = MoE(dim=16, ffn_dim=8, n_experts=8, top_k=2, routing=Routing(score="sigmoid", bias_update_speed=speed))
+    layer = MoE(dim=16, ffn_dim=8, n_experts=8, top_k=2,
+                routing=Routing(score="sigmoid", bias_update_speed=speed))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.1)
@@ -197,11 +209,13 @@ def favoured_expert_run(steps: int, speed: float) -> tuple[torch.Tensor, list[fl
 def test_aux_loss_free_bias_evens_out_a_favoured_experts_load():
     loads, biases = favoured_expert_run(steps=60, speed=0.05)
     late = loads[-10:].mean(0)
-    print(f"aux-free bias: expert 0's load over the mean {loads[0, 0]:.2f} at step 1, {late[0]:.2f} over the last 10 "
-          f"steps; the busiest expert's {loads[0].max():.2f} -> {late.max():.2f}; expert 0's bias {biases[-1]:.2f}")
+    print(f"aux-free bias: expert 0's load over the mean {loads[0, 0]:.2f} at step 1, "
+          f"{late[0]:.2f} over the last 10 steps; the busiest expert's {loads[0].max():.2f} -> "
+          f"{late.max():.2f}; expert 0's bias {biases[-1]:.2f}")
     assert loads[0, 0] > 3.5  # nearly every token takes expert 0 (4.0: every token)
     before = 0.0
-    for load, bias in zip(loads[:, 0].tolist(), biases):  # it falls by the speed after each overloaded step
+    # it falls by the speed after each overloaded step
+    for load, bias in zip(loads[:, 0].tolist(), biases):
         if load > 1:
             assert bias == pytest.approx(before - 0.05)
         before = bias
@@ -239,7 +253,8 @@ def _ep_matches_local(rank, ep, case):
         if case == "a_rank_without_tokens":
             layer.router.weight[8 - 8 // ep:] = -1.0  # the last rank's experts
     reference = copy.deepcopy(layer)
-    dims = ParallelDims(dp_replicate=1, dp_shard=ep, cp=1, tp=1, pp=1, ep=ep, world_size=ep, moe=True)
+    dims = ParallelDims(dp_replicate=1, dp_shard=ep, cp=1, tp=1, pp=1, ep=ep, world_size=ep,
+                        moe=True)
     dims.build_mesh("cpu")
     parallelize_moe(layer, dims)
 
@@ -260,12 +275,14 @@ def _ep_matches_local(rank, ep, case):
         if r == rank:
             torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(layer.router.weight.grad, reference.router.weight.grad, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer.router.weight.grad, reference.router.weight.grad,
+                                       rtol=1e-5, atol=1e-5)
     per_rank = 8 // ep
     for name in ("w1", "w2", "w3"):
         mine = getattr(layer.experts, name).grad.to_local()
         full = getattr(reference.experts, name).grad[rank * per_rank:(rank + 1) * per_rank] / ep
-        torch.testing.assert_close(mine, full, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} d{name}: {m}")
+        torch.testing.assert_close(mine, full, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{case} d{name}: {m}")
     if case == "a_rank_without_tokens" and rank == ep - 1:
         assert layer.experts.w1.grad.to_local().abs().max() == 0
 

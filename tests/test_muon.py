@@ -55,11 +55,13 @@ def block_model(*shapes: tuple[int, int]) -> nn.Module:
     """A model whose `layers.0` holds a Linear of each (out, in) shape, plus an embedding."""
     model = nn.Module()
     model.tok_embeddings = nn.Embedding(16, 8)
-    model.layers = nn.ModuleDict({"0": nn.Sequential(*(nn.Linear(i, o, bias=False) for o, i in shapes))})
+    model.layers = nn.ModuleDict({"0": nn.Sequential(*(nn.Linear(i, o, bias=False)
+                                                       for o, i in shapes))})
     return model
 
 
-def muon_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0, **keys) -> torch.optim.Optimizer:
+def muon_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0,
+                   **keys) -> torch.optim.Optimizer:
     optim = MuonConfig(name="muon", ns_dtype="float32", **keys)
     return build_optimizer(model, optim, lr, weight_decay, family("llama"))
 
@@ -93,15 +95,16 @@ def test_skipped_step_leaves_weights_and_momentum():
     optimizer.found_inf = torch.ones(())
     optimizer.step()
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
-    assert all(torch.equal(a, b) for p, saved in state.items() for a, b in zip(optimizer.state[p].values(), saved))
+    assert all(torch.equal(a, b) for p, saved in state.items()
+               for a, b in zip(optimizer.state[p].values(), saved))
 
 
 def test_one_process_matches_torch_muon_and_adamw():
-    """Ours (Newton-Schulz in bfloat16, as torch's) against torch.optim.Muon on the block matrices and
-    torch.optim.AdamW on the rest, over a few steps of a real model's parameters."""
+    """Ours (Newton-Schulz in bfloat16, as torch's) against torch.optim.Muon on the block matrices
+    and torch.optim.AdamW on the rest, over a few steps of a real model's parameters."""
     lr, wd, steps = 0.02, 0.1, 3
-    config = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128,
-              "ffn_dim": 192}
+    config = {"family": "llama", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+              "vocab_size": 128, "ffn_dim": 192}
     start, ours_model, torch_model = (build_model(config) for _ in range(3))
     optim = MuonConfig(name="muon", ns_dtype="bfloat16")
     ours = build_optimizer(ours_model, optim, lr, wd, family("llama"))
@@ -131,7 +134,8 @@ def test_routers_norms_and_embeddings_take_adamw():
     names = {id(p): name for name, p in model.named_parameters()}
     muon = {names[id(p)] for p in optimizer.param_groups[0]["params"]}
     assert "layers.0.feed_forward.experts.w1" in muon and "layers.0.attention.wq.weight" in muon
-    assert not any("router" in n or "norm" in n or "tok_embeddings" in n or "output" in n for n in muon)
+    assert not any("router" in n or "norm" in n or "tok_embeddings" in n or "output" in n
+                   for n in muon)
     assert not any(group["muon"] for group in optimizer.param_groups[1:])
 
 
@@ -141,7 +145,11 @@ def _exchange(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     import trainer.optim.muon_exchange
     from trainer.optim.muon_exchange import MatrixExchange, my_box
@@ -162,7 +170,8 @@ def _exchange(rank: int, world_size: int) -> None:
         whole.append(full)
         params.append(distribute_tensor(full, flat, [Shard(dim)]))
     # Every parameter here is split over all four ranks.
-    exchange = MatrixExchange(params, 5, lambda ranks: dist.group.WORLD if len(ranks) == 4 else None)
+    exchange = MatrixExchange(params, 5,
+                              lambda ranks: dist.group.WORLD if len(ranks) == 4 else None)
     updates = [p.to_local().clone() for p in params]
     results = [torch.full_like(u, math.nan) for u in updates]
     exchange.orthogonalize(updates, lambda m: orthogonalize(m, 5), results)

@@ -2,8 +2,8 @@
 
 Each weight matrix is orthogonalised whole wherever FSDP, tensor parallel or expert parallel put its
 pieces; orthogonalising each rank's piece on its own instead changes the update, and the curve moves
-far beyond these tolerances (measured once by breaking it on purpose: see the README's Muon section).
-The same runs, settings and tolerances as tests/test_parity.py's AdamW rows.
+far beyond these tolerances (measured once by breaking it on purpose: see the README's Muon
+section). The same runs, settings and tolerances as tests/test_parity.py's AdamW rows.
 """
 
 import pytest

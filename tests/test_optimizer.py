@@ -25,7 +25,8 @@ from trainer.tensors import local_tensor
 
 @dataclass
 class LionConfig(OptimConfig):
-    # Lion's updates are signs, each of size lr: its learning rate is AdamW's times this (the paper: 3-10x smaller).
+    # Lion's updates are signs, each of size lr: its learning
+    # rate is AdamW's times this (the paper: 3-10x smaller).
     lr_scale: float = 0.3
 
 
@@ -66,7 +67,8 @@ def build(inputs: OptimizerInputs) -> Lion:
     return Lion(inputs.groups, lr=inputs.lr * cfg.lr_scale, betas=(cfg.beta1, cfg.beta2))
 
 
-LION = register_optimizer(OptimizerSpec(name="lion", build=build, config=LionConfig, check=check, state_words=1.0))
+LION = register_optimizer(OptimizerSpec(name="lion", build=build, config=LionConfig, check=check,
+                                        state_words=1.0))
 OURS = ("imports=[test_optimizer]", "optim.name=lion")
 
 
@@ -75,8 +77,9 @@ def test_its_config_is_typed_by_its_class_and_checked_by_its_rules():
     assert isinstance(job.optim, LionConfig) and job.optim.lr_scale == 0.5
     with pytest.raises(ConfigError, match=r"^optim.lr_scale=2.0 must be in \(0, 1\]$"):
         check_job(compose_job([*OURS, "optim.lr_scale=2", "model=llama_debug"]), 1)
-    with pytest.raises(ConfigError, match=r"^optim.lr_scale is not a config key \(of optim.name=adamw\); it is "
-                                          r"optim=lion's$"):
+    with pytest.raises(ConfigError,
+                       match=r"^optim.lr_scale is not a config key \(of optim.name=adamw\); it is "
+                             r"optim=lion's$"):
         compose_job(["imports=[test_optimizer]", "optim.lr_scale=0.5"])
 
 
@@ -91,9 +94,11 @@ def test_the_plan_counts_each_optimizer_s_state_as_it_holds(optim):
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
-    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values()
                if isinstance(t, torch.Tensor) and t.ndim > 0)
-    planned = make_plan(job, check_job(job, 1), local_device(torch.device("cpu"), 1)).ranks[0].optimizer
+    plan = make_plan(job, check_job(job, 1), local_device(torch.device("cpu"), 1))
+    planned = plan.ranks[0].optimizer
     assert planned == held, (optim, planned, held)
 
 
@@ -105,5 +110,6 @@ def test_an_optimizer_of_its_own_trains_under_fsdp2_in_the_memory_the_plan_predi
     job = job_of(*overrides)
     plan = make_plan(job, check_job(job, 2), local_device(torch.device("cpu"), 2))
     measured, predicted = records[-1]["mem_tensor_gib"], plan.ranks[0].peak / GIB
-    print(f"lion on fsdp2: measured {measured:.3f} GiB, plan {predicted:.3f} ({predicted / measured - 1:+.1%})")
+    print(f"lion on fsdp2: measured {measured:.3f} GiB, plan {predicted:.3f} "
+          f"({predicted / measured - 1:+.1%})")
     assert abs(predicted / measured - 1) <= MEMORY_RTOL, (measured, predicted)

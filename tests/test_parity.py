@@ -1,13 +1,13 @@
 """Every parallel layout reproduces the single-process loss curve.
 
-One seed, one global batch, four steps of llama_debug in fp32 (a wrong gradient shows within three at
-this learning rate, a wrong optimizer state from the second step, and float8's step-4 spike is inside
-the run; the step guards run ten). The 1-rank
+One seed, one global batch, four steps of llama_debug in fp32 (a wrong gradient shows within three
+at this learning rate, a wrong optimizer state from the second step, and float8's step-4 spike is
+inside the run; the step guards run ten). The 1-rank
 run (its loss on whole logits) is the reference;
-each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative. The gradient
-norms must match too (2e-3): AdamW hardly feels a wrongly scaled gradient, so a clipping bug can hide from the loss.
-Rows ending in `_compile` run compiled blocks against the same eager reference; the bf16 column and
-Mixtral have references and tolerances of their own (below).
+each layout's per-step losses (and its two validation losses) must match it within 1e-4 relative.
+The gradient norms must match too (2e-3): AdamW hardly feels a wrongly scaled gradient, so a
+clipping bug can hide from the loss. Rows ending in `_compile` run compiled blocks against the same
+eager reference; the bf16 column and Mixtral have references and tolerances of their own (below).
 """
 
 import math
@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 import compare_runs  # noqa: E402
 
 STEPS = 4
-# The tolerances scripts/compare_runs.py holds users' runs to. Tensor-parallel layouts reach 1.1e-3 on
-# the gradient norm on some CPUs (AVX2-only, torch 2.13), while their losses stay within 1.5e-5.
+# The tolerances scripts/compare_runs.py holds users' runs to. Tensor-parallel layouts reach 1.1e-3
+# on the gradient norm on some CPUs (AVX2-only, torch 2.13), while their losses stay within 1.5e-5.
 RTOL, GRAD_NORM_RTOL = TOLERANCES["fp32"]
 # Small enough for four ranks on two cores; the learning rate is high enough that a wrong
 # gradient shows in the loss within a few steps.
@@ -48,8 +48,8 @@ def common(steps: int) -> tuple[str, ...]:
 
 
 COMMON = common(STEPS)
-# The references compute each microbatch's logits whole (the plain loss); the layouts chunk them, 100
-# tokens at a time (no microbatch here is a multiple of 100: every run has a short last chunk).
+# The references compute each microbatch's logits whole (the plain loss); the layouts chunk them,
+# 100 tokens at a time (no microbatch here is a multiple of 100: every run has a short last chunk).
 PLAIN = ("training.loss_chunk_tokens=null",)
 CHUNKED = ("training.loss_chunk_tokens=100",)
 
@@ -57,23 +57,29 @@ CHUNKED = ("training.loss_chunk_tokens=100",)
 LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"]),
     "hsdp2x2": (4, ["+recipe=llama_hsdp"]),
-    # An elastic layout: the replicas take up the world, accumulation makes up the global batch (2 here).
-    "hsdp_elastic_micro1": (4, ["+recipe=llama_hsdp", "parallel.dp_replicate=-1", "parallel.dp_shard=2",
-                                "training.micro_batch_size=1"]),
+    # An elastic layout: the replicas take up the world,
+    # accumulation makes up the global batch (2 here).
+    "hsdp_elastic_micro1": (4,
+                            ["+recipe=llama_hsdp", "parallel.dp_replicate=-1",
+                             "parallel.dp_shard=2", "training.micro_batch_size=1"]),
     "fsdp2_accum2": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2"]),
-    # Selective checkpointing under FSDP: the ops policy here, the default half_mm policy eagerly under
-    # tp and cp (below) and compiled under tp, the interleaved pipeline and ep.
+    # Selective checkpointing under FSDP: the ops policy here, the default half_mm policy eagerly
+    # under tp and cp (below) and compiled under tp, the interleaved pipeline and ep.
     "fsdp2_ac_selective_ops": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective",
                                    "training.selective_policy=ops"]),
     "tp2": (2, ["+recipe=llama_tp2"]),
     "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
     "tp2_hsdp2x1": (4, ["+recipe=llama_tp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    "tp2_no_sp_no_lp": (2, ["+recipe=llama_tp2", "parallel.sequence_parallel=false", "parallel.loss_parallel=false"]),
-    "tp2_ac_selective_compile": (2, ["+recipe=llama_tp2", "training.activation_checkpoint=selective",
-                                     "training.compile=true"]),
+    "tp2_no_sp_no_lp": (2,
+                        ["+recipe=llama_tp2", "parallel.sequence_parallel=false",
+                         "parallel.loss_parallel=false"]),
+    "tp2_ac_selective_compile": (2,
+                                 ["+recipe=llama_tp2", "training.activation_checkpoint=selective",
+                                  "training.compile=true"]),
     "tp2_no_sp_ac_selective": (2, ["+recipe=llama_tp2", "parallel.sequence_parallel=false",
                                    "training.activation_checkpoint=selective"]),
-    **{f"pp2_{s}": (2, ["+recipe=llama_fsdp", "parallel.pp=2", f"parallel.pp_schedule={s}"]) for s in PP_SCHEDULES},
+    **{f"pp2_{s}": (2, ["+recipe=llama_fsdp", "parallel.pp=2", f"parallel.pp_schedule={s}"])
+       for s in PP_SCHEDULES},
     "pp2_hsdp2x1": (4, ["+recipe=llama_hsdp", "parallel.pp=2"]),
     "pp2_accum2": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2"]),
     "pp2_interleaved_1f1b_ac_selective_compile": (2, ["+recipe=llama_fsdp", "parallel.pp=2",
@@ -81,21 +87,24 @@ LAYOUTS = {
                                                       "training.activation_checkpoint=selective",
                                                       "training.compile=true"]),
     "tp2_pp4": (8, ["+recipe=llama_tp2_pp4"]),
-    # Compiled blocks under each context-parallel method. FSDP shards over dp_shard x cp, so these are also
-    # the rows of compiled FSDP; the all-gather one checkpoints every second block in full (every block:
-    # float8's cp2 row).
-    "cp2_ring_compile": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring", "training.compile=true"]),
-    "cp2_allgather_ac_full_every2_compile": (2, ["+recipe=llama_cp2", "parallel.cp_method=allgather",
-                                                 "training.activation_checkpoint=full",
-                                                 "training.activation_checkpoint_every=2", "training.compile=true"]),
+    # Compiled blocks under each context-parallel method. FSDP shards over dp_shard x cp, so these
+    # are also the rows of compiled FSDP; the all-gather one checkpoints every second block in full
+    # (every block: float8's cp2 row).
+    "cp2_ring_compile": (2,
+                         ["+recipe=llama_cp2", "parallel.cp_method=ring", "training.compile=true"]),
+    "cp2_allgather_ac_full_every2_compile": (2,
+                                             ["+recipe=llama_cp2", "parallel.cp_method=allgather",
+                                              "training.activation_checkpoint=full",
+                                              "training.activation_checkpoint_every=2",
+                                              "training.compile=true"]),
     # The all-gather method's kernel is the same in every layout (its rows: compiled above, with
     # document masks below); ring attention composes with the other dimensions in 4d.
     "cp2_ring_ac_selective": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
                                   "training.activation_checkpoint=selective"]),
     "cp2_hsdp2x1": (4, ["+recipe=llama_cp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    # dp_shard 2 x cp 2 x tp 2 x pp 2 (ring attention): every pair of these dimensions composed, so no
-    # 4-rank row repeats a pair (pp with FSDP or tp, cp with FSDP, tp or pp) but tp with FSDP, the
-    # common 2-D layout; the replicas (HSDP) compose in rows of their own above.
+    # dp_shard 2 x cp 2 x tp 2 x pp 2 (ring attention): every pair of these dimensions composed, so
+    # no 4-rank row repeats a pair (pp with FSDP or tp, cp with FSDP, tp or pp) but tp with FSDP,
+    # the common 2-D layout; the replicas (HSDP) compose in rows of their own above.
     "4d": (16, ["+recipe=llama_4d"]),
 }
 
@@ -115,8 +124,9 @@ MOE_LAYOUTS = {
     "ep2_fsdp2": (4, ["+recipe=mixtral_ep", "parallel.ep=2"], ()),
     "ep2_hsdp2x1": (4, ["+recipe=mixtral_ep", "parallel.dp_replicate=2"], ()),
     "ep4_cp2": (4, ["+recipe=mixtral_ep", "parallel.cp=2"], ()),
-    "ep2_ac_selective_compile": (2, ["+recipe=mixtral_ep", "training.activation_checkpoint=selective",
-                                     "training.compile=true"], ()),
+    "ep2_ac_selective_compile": (2,
+                                 ["+recipe=mixtral_ep", "training.activation_checkpoint=selective",
+                                  "training.compile=true"], ()),
     "ep2_accum2": (2, ["+recipe=mixtral_ep", *TWO_MICROBATCHES], TWO_MICROBATCHES),
     "ep2_pp2": (4, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
     "ep2_tp2": (4, ["+recipe=mixtral_ep2_tp2"], ()),
@@ -143,7 +153,8 @@ def moe_reference(tmp_path_factory):
 
     def get(overrides: tuple) -> list[dict]:
         if overrides not in runs:
-            runs[overrides] = train_metrics(1, "+recipe=mixtral_ep", *MOE_COMMON, *PLAIN, *overrides,
+            runs[overrides] = train_metrics(1, "+recipe=mixtral_ep", *MOE_COMMON, *PLAIN,
+                                            *overrides,
                                             output_dir=tmp_path_factory.mktemp("moe_reference"))
         return runs[overrides]
 
@@ -155,13 +166,14 @@ def max_relative_difference(values: list[float], reference: list[float]) -> floa
     return max(abs(a - b) / abs(b) for a, b in zip(values, reference))
 
 
-def check_against(reference: list[dict], records: list[dict], layout: str, rtol: float, grad_norm_rtol: float,
-                  nan_at: int | None = None):
+def check_against(reference: list[dict], records: list[dict], layout: str, rtol: float,
+                  grad_norm_rtol: float, nan_at: int | None = None):
     losses, expected = [r["loss"] for r in records], [r["loss"] for r in reference]
     difference = max_relative_difference(losses, expected)
     norms, expected_norms = [r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]
     norm_difference = max_relative_difference(norms, expected_norms) if nan_at is None else math.nan
-    print(f"{layout}: max relative loss difference {difference:.2e}, gradient norm {norm_difference:.2e}")
+    print(f"{layout}: max relative loss difference {difference:.2e}, gradient norm "
+          f"{norm_difference:.2e}")
     assert difference <= rtol, f"{layout} losses {losses} drift from the 1-rank run {expected}"
     if nan_at is not None:  # a step whose gradient norm was made NaN on purpose
         assert math.isnan(norms[nan_at - 1]) and math.isnan(expected_norms[nan_at - 1])
@@ -170,7 +182,8 @@ def check_against(reference: list[dict], records: list[dict], layout: str, rtol:
         f"{layout} gradient norms {norms} differ from the 1-rank run's {expected_norms}"
     )
     # Validation runs its own forward path (stage after stage under pipeline parallel).
-    val, expected_val = ([r["val_loss"] for r in rs if "val_loss" in r] for rs in (records, reference))
+    val, expected_val = ([r["val_loss"] for r in rs if "val_loss" in r]
+                         for rs in (records, reference))
     assert len(val) == 2 and max(abs(a - b) / b for a, b in zip(val, expected_val)) <= rtol, (
         f"{layout} validation losses {val} differ from the 1-rank run's {expected_val}"
     )
@@ -190,7 +203,8 @@ def test_layout_matches_single_process(layout, reference, reference_dir, tmp_pat
 
 @pytest.mark.multiprocess
 def test_another_seed_is_another_curve_to_compare_runs(reference_dir, tmp_path, capsys):
-    """The comparison a user runs passes every layout above and fails the same run with another seed."""
+    """The comparison a user runs passes every layout above and fails the same run with another
+    seed."""
     train_metrics(1, "+recipe=llama_fsdp", *COMMON, *PLAIN, "training.seed=1", output_dir=tmp_path)
     assert compare_runs.main([str(reference_dir), str(tmp_path)]) == 1
     assert "different curves from step 1: " in capsys.readouterr().out
@@ -206,7 +220,8 @@ def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
     # The same tokens are routed the same way: the expert loads and the auxiliary loss agree.
     for key in ("expert_load_min", "expert_load_max", "expert_load_mean"):
         assert [r[key] for r in records[:3]] == [r[key] for r in reference[:3]], key
-    assert max_relative_difference([r["aux_loss"] for r in records], [r["aux_loss"] for r in reference]) <= MOE_RTOL
+    aux, expected = [r["aux_loss"] for r in records], [r["aux_loss"] for r in reference]
+    assert max_relative_difference(aux, expected) <= MOE_RTOL
 
 
 # The families beyond Llama and Mixtral, each against its own one-process curve: Qwen3 (q/k norms,
@@ -214,14 +229,15 @@ def test_moe_layout_matches_single_process(layout, moe_reference, tmp_path):
 # DeepSeek-V3's routing on a Mixtral-shaped model (shared expert, sigmoid scores renormalised and
 # scaled, 4 expert groups of which a token uses 2, the aux-loss-free bias moving 0.001 a step as in
 # DeepSeek-V3; under pipeline parallel: the deepseek_v3 family's row). At 0.01 the bias, not the
-# scores, decides many choices, and near-ties flip under tp's other rounding (ep2 x tp2: gradient norm
-# 9e-3 off).
+# scores, decides many choices, and near-ties flip under tp's other rounding (ep2 x tp2: gradient
+# norm 9e-3 off).
 QWEN3 = ("model=qwen3_debug", "model.n_layers=4")
 QWEN3_MOE = ("model=qwen3_moe_debug",)
-DEEPSEEK = ("model=mixtral_debug", "model.route_score=sigmoid", "model.route_scale=2.5", "model.n_shared_experts=1",
-            "model.n_expert_groups=4", "model.top_groups=2", "model.bias_update_speed=0.001")
-# DeepSeek-V3's debug model in 4 blocks: latent attention, 2 dense blocks, then 2 MoE blocks with its
-# routing (its pipeline row: one stage of dense blocks, one of MoE blocks).
+DEEPSEEK = ("model=mixtral_debug", "model.route_score=sigmoid", "model.route_scale=2.5",
+            "model.n_shared_experts=1", "model.n_expert_groups=4", "model.top_groups=2",
+            "model.bias_update_speed=0.001")
+# DeepSeek-V3's debug model in 4 blocks: latent attention, 2 dense blocks, then 2 MoE blocks with
+# its routing (its pipeline row: one stage of dense blocks, one of MoE blocks).
 DEEPSEEK_V3 = ("model=deepseek_v3_debug", "model.n_layers=4")
 # name -> (the model, ranks, the layout's recipe and overrides, the 1-rank reference's overrides)
 FAMILY_LAYOUTS = {
@@ -232,10 +248,11 @@ FAMILY_LAYOUTS = {
     # The shared expert split over tp by the MoE families' plan (without its entries: 1.1e-2 off).
     "deepseek_routing_ep2_tp2": (DEEPSEEK, 4, ["+recipe=mixtral_ep2_tp2"], ()),
     "deepseek_v3_fsdp2": (DEEPSEEK_V3, 2, ["+recipe=llama_fsdp"], ()),
-    # Sequence and loss parallel; the latents replicated, the heads split, the rotary key's gradient summed;
-    # compiled blocks with selective checkpointing.
-    "deepseek_v3_tp2_ac_selective_compile": (DEEPSEEK_V3, 2, ["+recipe=llama_tp2", "training.compile=true",
-                                                              "training.activation_checkpoint=selective"], ()),
+    # Sequence and loss parallel; the latents replicated, the heads split, the rotary key's gradient
+    # summed; compiled blocks with selective checkpointing.
+    "deepseek_v3_tp2_ac_selective_compile": (DEEPSEEK_V3, 2,
+                                             ["+recipe=llama_tp2", "training.compile=true",
+                                              "training.activation_checkpoint=selective"], ()),
     "deepseek_v3_ep2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep"], ()),
     "deepseek_v3_pp2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
     # Ring attention with values narrower than the keys.
@@ -251,7 +268,8 @@ def family_reference(tmp_path_factory):
     def get(model: tuple, overrides: tuple) -> list[dict]:
         if (model, overrides) not in runs:
             recipe = "+recipe=llama_fsdp" if model == QWEN3 else "+recipe=mixtral_ep"
-            runs[model, overrides] = train_metrics(1, recipe, *model, *COMMON[1:], *PLAIN, *overrides,
+            runs[model, overrides] = train_metrics(1, recipe, *model, *COMMON[1:], *PLAIN,
+                                                   *overrides,
                                                    output_dir=tmp_path_factory.mktemp("family_reference"))
         return runs[model, overrides]
 
@@ -259,9 +277,11 @@ def family_reference(tmp_path_factory):
 
 
 def check_family(reference: list[dict], records: list[dict], layout: str, moe: bool) -> None:
-    check_against(reference, records, layout, MOE_RTOL if moe else RTOL, MOE_GRAD_NORM_RTOL if moe else GRAD_NORM_RTOL)
+    check_against(reference, records, layout, MOE_RTOL if moe else RTOL,
+                  MOE_GRAD_NORM_RTOL if moe else GRAD_NORM_RTOL)
     if moe:  # the same tokens are routed the same way
-        assert [r["expert_load_max"] for r in records[:3]] == [r["expert_load_max"] for r in reference[:3]]
+        assert [r["expert_load_max"] for r in records[:3]] == [r["expert_load_max"]
+                                                               for r in reference[:3]]
 
 
 @pytest.mark.multiprocess
@@ -273,7 +293,8 @@ def test_family_layout_matches_single_process(layout, family_reference, tmp_path
 
 
 @pytest.mark.multiprocess
-def test_deepseek_routing_under_ep2_and_its_bias_resumed_in_another_layout(family_reference, tmp_path):
+def test_deepseek_routing_under_ep2_and_its_bias_resumed_in_another_layout(family_reference,
+                                                                           tmp_path):
     """The DeepSeek-routing row under ep2, saving halfway and at the end; then one process resumes
     the halfway checkpoint (the bias saved by the expert-parallel layout) and trains the steps after
     it: its losses follow the ep2 run's and its biases at the end equal the ep2 run's exactly (they
@@ -284,7 +305,7 @@ def test_deepseek_routing_under_ep2_and_its_bias_resumed_in_another_layout(famil
                             output_dir=tmp_path / "ep2")
     check_family(family_reference(DEEPSEEK, ()), records, "deepseek_routing_ep2", moe=True)
     resumed = train_metrics(1, "+recipe=mixtral_ep", *DEEPSEEK, *COMMON[1:], *CHUNKED, *saving,
-                            f"checkpoint.resume={tmp_path / 'ep2' / 'checkpoints' / f'step_{half}'}",
+                            f"checkpoint.resume={tmp_path / 'ep2' / 'checkpoints'}/step_{half}",
                             output_dir=tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(half + 1, STEPS + 1))
     for a, b in zip(resumed, records[half:]):
@@ -293,10 +314,12 @@ def test_deepseek_routing_under_ep2_and_its_bias_resumed_in_another_layout(famil
     for run in ("ep2", "resumed"):
         model = build_model(saved_config(tmp_path / run / "checkpoints" / f"step_{STEPS}"))
         load_weights(model, tmp_path / run / "checkpoints" / f"step_{STEPS}")
-        biases[run] = torch.stack([layer.feed_forward.expert_bias for layer in model.layers.values()])
+        biases[run] = torch.stack([layer.feed_forward.expert_bias
+                                   for layer in model.layers.values()])
     saved = build_model(saved_config(tmp_path / "ep2" / "checkpoints" / f"step_{half}"))
     load_weights(saved, tmp_path / "ep2" / "checkpoints" / f"step_{half}")
-    assert saved.layers["0"].feed_forward.expert_bias.abs().max() > 0  # it moved before it was saved
+    # it moved before it was saved
+    assert saved.layers["0"].feed_forward.expert_bias.abs().max() > 0
     assert torch.equal(biases["resumed"], biases["ep2"]), (biases["resumed"] - biases["ep2"])
 
 
@@ -312,8 +335,9 @@ BF16 = ("training.mixed_precision.param_dtype=bfloat16",)
 BF16_RTOL, BF16_GRAD_NORM_RTOL = TOLERANCES["bf16"]
 BF16_LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"]),
-    "tp2_ac_selective_compile": (2, ["+recipe=llama_tp2", "training.activation_checkpoint=selective",
-                                     "training.compile=true"]),
+    "tp2_ac_selective_compile": (2,
+                                 ["+recipe=llama_tp2", "training.activation_checkpoint=selective",
+                                  "training.compile=true"]),
     "pp2_1f1b": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "cp2_ring_ac_selective": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
                                   "training.activation_checkpoint=selective"]),
@@ -331,7 +355,8 @@ def test_bf16_single_process_follows_fp32(bf16_reference, tmp_path):
     """bf16 changes the curve, within this (measured: loss 7.9e-3, gradient norm 1.1e-1)."""
     fp32 = train_metrics(1, "+recipe=llama_fsdp", *BF16_COMMON, output_dir=tmp_path)
     losses, expected = [r["loss"] for r in bf16_reference], [r["loss"] for r in fp32]
-    assert max_relative_difference(losses, expected) <= 2e-2, f"bf16 {losses} against fp32 {expected}"
+    assert max_relative_difference(losses, expected) <= 2e-2, (
+        f"bf16 {losses} against fp32 {expected}")
     assert losses != expected, "the bf16 run computed in fp32"
     norms, expected_norms = [r["grad_norm"] for r in bf16_reference], [r["grad_norm"] for r in fp32]
     assert max_relative_difference(norms, expected_norms) <= 0.25
@@ -361,13 +386,17 @@ def document_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
     folder = tmp_path_factory.mktemp("documents")
     rng = random.Random(0)
     for i in range(300):  # one file per document, 40 to 200 bytes: several to a 64-token window
-        (folder / f"{i:03d}.txt").write_text(" ".join(sentence(rng) for _ in range(rng.randrange(1, 5))))
+        (folder / f"{i:03d}.txt").write_text(" ".join(sentence(rng)
+                                                      for _ in range(rng.randrange(1, 5))))
     overrides = (*COMMON, "data.source=text", f"data.path={folder}/*.txt")
-    unmasked = train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("unmasked"))
+    unmasked = train_metrics(1, "+recipe=llama_fsdp", *overrides,
+                             output_dir=tmp_path_factory.mktemp("unmasked"))
     overrides += ("data.document_mask=true",)
-    reference = train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("masked"))
+    reference = train_metrics(1, "+recipe=llama_fsdp", *overrides,
+                              output_dir=tmp_path_factory.mktemp("masked"))
     # The mask is in force: the same batches give other losses than attention across documents does.
-    assert max_relative_difference([r["loss"] for r in reference], [r["loss"] for r in unmasked]) > 1e-3
+    assert (max_relative_difference([r["loss"] for r in reference], [r["loss"] for r in unmasked])
+            > 1e-3)
     return overrides, reference
 
 
@@ -382,7 +411,8 @@ def test_document_mask_layout_matches_single_process(layout, document_runs, tmp_
 
 # A weighted mixture (data.mix) of text files and the embedded text: every layout reads the same
 # windows from each source.
-# Mixing is in the data, which the data-parallel ranks split (every tp or cp rank reads its dp rank's).
+# Mixing is in the data, which the data-parallel ranks
+# split (every tp or cp rank reads its dp rank's).
 MIXTURE_LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"]),
 }
@@ -393,9 +423,12 @@ def mixture_runs(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
     folder = tmp_path_factory.mktemp("mixture")
     rng = random.Random(1)
     for i in range(40):
-        (folder / f"{i:02d}.txt").write_text(" ".join(sentence(rng).upper() for _ in range(rng.randrange(2, 9))))
-    overrides = (*COMMON, f"data.mix=[{{source:text,path:'{folder}/*.txt',weight:3}},{{source:embedded,weight:1}}]")
-    return overrides, train_metrics(1, "+recipe=llama_fsdp", *overrides, output_dir=tmp_path_factory.mktemp("mix1"))
+        (folder / f"{i:02d}.txt").write_text(" ".join(sentence(rng).upper()
+                                                      for _ in range(rng.randrange(2, 9))))
+    overrides = (*COMMON,
+                 f"data.mix=[{{source:text,path:'{folder}/*.txt',weight:3}},{{source:embedded,weight:1}}]")
+    return overrides, train_metrics(1, "+recipe=llama_fsdp", *overrides,
+                                    output_dir=tmp_path_factory.mktemp("mix1"))
 
 
 @pytest.mark.multiprocess
@@ -406,7 +439,8 @@ def test_mixture_layout_matches_single_process(layout, mixture_runs, reference, 
     records = train_metrics(ranks, *layout_overrides, *overrides, output_dir=tmp_path)
     check_against(mixture_reference, records, f"mixture {layout}", RTOL, GRAD_NORM_RTOL)
     # The mixture is read, not the embedded text alone.
-    assert max_relative_difference([r["loss"] for r in records], [r["loss"] for r in reference]) > 1e-2
+    assert (max_relative_difference([r["loss"] for r in records], [r["loss"] for r in reference])
+            > 1e-2)
 
 
 # The step guards (training.spike, training.on_nonfinite): a NaN gradient at step 3 and a batch of
@@ -417,14 +451,15 @@ GUARD_LAYOUTS = {
     "pp2_tp2": (4, ["+recipe=llama_tp2", "parallel.pp=2"]),
 }
 GUARDED = common(10)
-GUARDS = ("training.spike.threshold=1.5", "training.spike.warmup_steps=4", "training.spike.decay=0.7")
+GUARDS = ("training.spike.threshold=1.5", "training.spike.warmup_steps=4",
+          "training.spike.decay=0.7")
 FAULTS = {"TRAINER_FAULTS": "nan_grad@3,garbage_batch@7"}
 
 
 @pytest.fixture(scope="module")
 def guard_reference(tmp_path_factory) -> list[dict]:
-    records = train_metrics(1, "+recipe=llama_fsdp", *GUARDED, *GUARDS, output_dir=tmp_path_factory.mktemp("guard"),
-                            env=FAULTS)
+    records = train_metrics(1, "+recipe=llama_fsdp", *GUARDED, *GUARDS,
+                            output_dir=tmp_path_factory.mktemp("guard"), env=FAULTS)
     assert [r["skipped_steps"] for r in records][2:8] == [1, 1, 1, 1, 2, 2]  # steps 3 and 7
     return records
 
@@ -449,7 +484,8 @@ def test_single_process_matches_plain_pytorch_loop(reference):
     model = build_model("llama_debug", seed=job.training.seed)
     optimizer = build_optimizer(model, job.optim, job.training.lr, job.training.weight_decay)
     scheduler = build_scheduler(optimizer, 2, STEPS, job.optim.min_lr_ratio)
-    loader = BatchLoader(build_dataset(job.data, 64, 0), 8, dp_rank=0, dp_size=1, grad_accum=1, seed=0)
+    loader = BatchLoader(build_dataset(job.data, 64, 0), 8, dp_rank=0, dp_size=1, grad_accum=1,
+                         seed=0)
     losses = []
     for step in range(STEPS):
         ((inputs, labels),) = loader.microbatches(step)
@@ -463,12 +499,13 @@ def test_single_process_matches_plain_pytorch_loop(reference):
     assert max_relative_difference(losses, [r["loss"] for r in reference]) <= 1e-5
 
 
-# Chat data (tests/test_chat.py): conversations of 1 to 3 turns of very different lengths, packed whole,
-# the loss on the assistant's turns only (a fifth to a third of a window's tokens). The reference takes
-# the global batch in 4 microbatches of 2 windows, each layout otherwise (fsdp2: a microbatch of 4 per
-# rank; tp2: one of 8; pp2: pipeline microbatches; cp2: half of each window a rank): a loss made of the
-# microbatches' or the ranks' means would part from it, the mean over the step's supervised tokens does
-# not (made a mean of the ranks' means: fsdp2 2.4e-2 off in loss, 3.1e-1 in gradient norm).
+# Chat data (tests/test_chat.py): conversations of 1 to 3 turns of very different lengths, packed
+# whole, the loss on the assistant's turns only (a fifth to a third of a window's tokens). The
+# reference takes the global batch in 4 microbatches of 2 windows, each layout otherwise (fsdp2: a
+# microbatch of 4 per rank; tp2: one of 8; pp2: pipeline microbatches; cp2: half of each window a
+# rank): a loss made of the microbatches' or the ranks' means would part from it, the mean over the
+# step's supervised tokens does not (made a mean of the ranks'
+# means: fsdp2 2.4e-2 off in loss, 3.1e-1 in gradient norm).
 CHAT_LAYOUTS = {
     "fsdp2": (2, ["+recipe=llama_fsdp"]),
     "tp2": (2, ["+recipe=llama_tp2"]),
@@ -483,8 +520,10 @@ def chat(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
     from test_chat import digits_conversations, write_chat
 
     path, template = write_chat(tmp_path_factory.mktemp("chat"), digits_conversations(400))
-    overrides = ("data.source=json", f"data.path={path}", "data.format=chat", f"data.chat_template={template}")
-    reference = train_metrics(1, "+recipe=llama_fsdp", *overrides, *COMMON, *PLAIN, "training.grad_accum_steps=4",
+    overrides = ("data.source=json", f"data.path={path}", "data.format=chat",
+                 f"data.chat_template={template}")
+    reference = train_metrics(1, "+recipe=llama_fsdp", *overrides, *COMMON, *PLAIN,
+                              "training.grad_accum_steps=4",
                               output_dir=tmp_path_factory.mktemp("chat_reference"))
     return overrides, reference
 
@@ -494,7 +533,8 @@ def chat(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
 def test_chat_layout_matches_single_process(layout, chat, tmp_path):
     overrides, reference = chat
     ranks, layout_overrides = CHAT_LAYOUTS[layout]
-    records = train_metrics(ranks, *layout_overrides, *overrides, *COMMON, *CHUNKED, output_dir=tmp_path)
+    records = train_metrics(ranks, *layout_overrides, *overrides, *COMMON, *CHUNKED,
+                            output_dir=tmp_path)
     assert [r["supervised_tokens"] for r in records] == [r["supervised_tokens"] for r in reference]
     assert 0 < records[0]["supervised_tokens"] < 0.4 * 8 * 64
     check_against(reference, records, f"chat {layout}", RTOL, GRAD_NORM_RTOL)

@@ -53,7 +53,8 @@ def test_every_recipe_fits_its_stated_hardware(recipe, capsys):
     assert len(plan["ranks"]) == job.parallel.pp
     for rank in plan["ranks"]:
         terms = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
-        assert all(rank[f"{t}_gib"] >= 0 for t in terms) and rank["peak_gib"] <= 0.9 * plan["device_memory_gib"]
+        assert (all(rank[f"{t}_gib"] >= 0 for t in terms)
+                and rank["peak_gib"] <= 0.9 * plan["device_memory_gib"])
     assert plan["step_time_s"] > 0 and plan["tokens_per_s"] > 0 and 0 < plan["mfu"] < 1
     assert elapsed < 20, f"planning {recipe} took {elapsed:.1f}s"
     # The figures the recipe's comment and the README's table state are the plan's.
@@ -62,48 +63,57 @@ def test_every_recipe_fits_its_stated_hardware(recipe, capsys):
     comment = re.search(r"([\d.]+) GiB", (RECIPE_DIR / f"{recipe}.yaml").read_text())
     stated = comment and comment.group(1)
     assert stated == peak, f"recipes/{recipe}.yaml says {stated} GiB, the plan {peak}"
-    row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(f"| `{recipe}` |"))
+    row = next(line for line in (REPO / "README.md").read_text().splitlines()
+               if line.startswith(f"| `{recipe}` |"))
     cells = [cell.strip() for cell in row.split("|")]
-    assert cells[4:6] == [peak, speed], f"README's {recipe} row says {cells[4:6]}, the plan {[peak, speed]}"
+    assert cells[4:6] == [peak, speed], (
+        f"README's {recipe} row says {cells[4:6]}, the plan {[peak, speed]}")
 
 
 def test_plan_terms_follow_the_layout(capsys):
     """Sharded terms divide by the ranks that shard them; checkpointing shrinks activations."""
     params = 70.55e9  # Llama 3 70B
-    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json", "training.seq_len=8192",
-                         "training.global_batch_size=64")
+    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json",
+                         "training.seq_len=8192", "training.global_batch_size=64")
     fsdp = json.loads(out)["ranks"][0]
     assert fsdp["params_gib"] == pytest.approx(params * 4 / 64 / GIB, rel=0.01)
     assert fsdp["optimizer_gib"] == pytest.approx(2 * fsdp["params_gib"])
-    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json", "training.seq_len=8192",
-                         "training.global_batch_size=64", "training.activation_checkpoint=full")
+    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json",
+                         "training.seq_len=8192", "training.global_batch_size=64",
+                         "training.activation_checkpoint=full")
     assert json.loads(out)["ranks"][0]["activations_gib"] < fsdp["activations_gib"] / 4
-    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json", "training.seq_len=8192",
-                         "training.global_batch_size=64", "parallel.tp=8", "parallel.pp=4")
+    _, out, _ = run_plan(capsys, "model=llama3_70b", "--world", "64", "--json",
+                         "training.seq_len=8192", "training.global_batch_size=64", "parallel.tp=8",
+                         "parallel.pp=4")
     staged = json.loads(out)
     assert len(staged["ranks"]) == 4 and staged["time"]["bubble"] > 0
     # Tensor and pipeline parallel keep FSDP's share per rank: the 64 ranks still hold one copy.
-    assert sum(r["params_gib"] for r in staged["ranks"]) * 16 == pytest.approx(params * 4 / GIB, rel=0.02)
+    assert (sum(r["params_gib"] for r in staged["ranks"]) * 16
+            == pytest.approx(params * 4 / GIB, rel=0.02))
 
 
 @NEEDS_TORCHAO
 def test_the_plan_knows_float8(capsys):
-    """On an H100 float8 tensorwise is faster (the blocks' linear layers at the float8 rate, torchtitan's
-    measured gain: 1.12-1.18x) and gathers the blocks' weights in one byte; rowwise gathers them in
-    bf16 and casts (slower here, as torchtitan's is); an A100 has no float8 matmuls (emulated there, no
-    faster); a Mixtral block's experts stay bf16."""
+    """On an H100 float8 tensorwise is faster (the blocks' linear layers at the float8 rate,
+    torchtitan's measured gain: 1.12-1.18x) and gathers the blocks' weights in one byte; rowwise
+    gathers them in bf16 and casts (slower here, as torchtitan's is); an A100 has no float8 matmuls
+    (emulated there, no faster); a Mixtral block's experts stay bf16."""
     def plan(*args):
         _, out, _ = run_plan(capsys, "model=llama3_8b", "--world", "8", "--json", "--device", *args)
         return json.loads(out)
 
     f8 = ("training.float8.enabled=true", "training.compile=true")
-    bf16, tensorwise, rowwise = (plan("h100", *a) for a in (f8[1:], f8, (*f8, "training.float8.recipe=rowwise")))
+    bf16, tensorwise, rowwise = (plan("h100", *a) for a in (f8[1:], f8,
+                                                            (*f8,
+                                                             "training.float8.recipe=rowwise")))
     assert 1.10 < tensorwise["tokens_per_s"] / bf16["tokens_per_s"] < 1.20
-    assert bf16["tokens_per_s"] < rowwise["tokens_per_s"] < tensorwise["tokens_per_s"]  # (its gathers are bf16's)
+    # (its gathers are bf16's)
+    assert bf16["tokens_per_s"] < rowwise["tokens_per_s"] < tensorwise["tokens_per_s"]
     gathered = [p["ranks"][0]["gathered_gib"] for p in (bf16, tensorwise, rowwise)]
     assert gathered[1] < 0.8 * gathered[0] and gathered[2] == gathered[0]
     assert rowwise["ranks"][0]["buffers_gib"] > bf16["ranks"][0]["buffers_gib"]
-    a100 = [plan("a100", *a, "training.compile=true", "training.float8.emulate=true")["tokens_per_s"]
+    a100 = [plan("a100", *a, "training.compile=true",
+                 "training.float8.emulate=true")["tokens_per_s"]
             for a in ((), ("training.float8.enabled=true",))]
     assert a100[1] == pytest.approx(a100[0])
     from trainer.models import family
@@ -112,9 +122,10 @@ def test_the_plan_knows_float8(capsys):
 
 
 def test_search_ranks_layouts_that_fit(capsys):
-    code, out, _ = run_plan(capsys, "--search", "--gpus", "8", "--device", "h100", "model=llama3_1b",
-                            "model.tie_embeddings=false", "training.seq_len=4096", "training.global_batch_size=32",
-                            "--json", "--top", "5")
+    code, out, _ = run_plan(capsys, "--search", "--gpus", "8", "--device", "h100",
+                            "model=llama3_1b", "model.tie_embeddings=false",
+                            "training.seq_len=4096", "training.global_batch_size=32", "--json",
+                            "--top", "5")
     plans = json.loads(out)
     assert code == 0 and len(plans) == 5 and all(p["fits"] for p in plans)
     speeds = [p["tokens_per_s"] for p in plans]
@@ -126,9 +137,9 @@ def test_search_ranks_layouts_that_fit(capsys):
 
 
 def test_search_is_fast_enough_to_run_at_launch():
-    """Every layout planned in seconds, as parallel=auto does at each launch: Llama 3 8B on 64 H100s,
-    seq 8192 and 64 sequences (measured 3.7 s). HSDP's replicas and cp share FSDP's holdings, and
-    pipeline stages alike share one build."""
+    """Every layout planned in seconds, as parallel=auto does at each launch: Llama 3 8B on 64
+    H100s, seq 8192 and 64 sequences (measured 3.7 s). HSDP's replicas and cp share FSDP's holdings,
+    and pipeline stages alike share one build."""
     job = job_of("model=llama3_8b", "training.seq_len=8192", "training.global_batch_size=64")
     start = time.perf_counter()
     results = search(job, 64, get_device("h100"))
@@ -137,14 +148,16 @@ def test_search_is_fast_enough_to_run_at_launch():
 
 @pytest.mark.multiprocess
 def test_the_search_for_a_large_moe_model_takes_seconds():
-    """plan.py --search for Qwen3-235B-A22B on 256 H100s, start-up included (the search measured 9.6 s;
-    24 s at 256 sequences of 4096)."""
+    """plan.py --search for Qwen3-235B-A22B on 256 H100s, start-up included (the search measured 9.6
+    s; 24 s at 256 sequences of 4096)."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), "--search", "--gpus", "256",
-                             "--device", "h100", "model=qwen3_235b_a22b", "--top", "3"],
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), "--search",
+                             "--gpus", "256", "--device", "h100", "model=qwen3_235b_a22b", "--top",
+                             "3"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     took = time.perf_counter() - start
-    assert result.returncode == 0 and "qwen3_235b_a22b on 256 x h100" in result.stdout, result.stderr[-2000:]
+    assert (result.returncode == 0 and "qwen3_235b_a22b on 256 x "
+                                       "h100" in result.stdout), result.stderr[-2000:]
     print(f"Qwen3-235B-A22B on 256 x h100: --search took {took:.1f}s")
     assert took < 60
 
@@ -153,19 +166,23 @@ def test_search_answers_for_qwen3_moe(capsys):
     """128 experts of 768 with heads 128 wide: the search finds layouts that fit 8 H100s, the plan
     holds the model's parameters (30.5B, 4 bytes each, over the ranks) and puts experts apart."""
     common = ("model=qwen3_30b_a3b", "training.seq_len=4096", "training.global_batch_size=64")
-    code, out, _ = run_plan(capsys, "--search", "--gpus", "8", "--device", "h100", *common, "--json", "--top", "5")
+    code, out, _ = run_plan(capsys, "--search", "--gpus", "8", "--device", "h100", *common,
+                            "--json", "--top", "5")
     plans = json.loads(out)
     assert code == 0 and len(plans) == 5 and all(p["fits"] for p in plans)
     assert any(p["overrides"]["parallel.ep"] > 1 for p in plans)
     best = plans[0]
-    held = sum(r["params_gib"] for r in best["ranks"]) * 2**30 / 4 * best["world_size"] / len(best["ranks"])
+    per_rank = sum(r["params_gib"] for r in best["ranks"]) * 2**30 / 4 / len(best["ranks"])
+    held = per_rank * best["world_size"]
     assert held == pytest.approx(30.53e9, rel=0.01)
 
 
 @pytest.mark.parametrize("args, message", [
     (["+recipe=llama_fsdp", "--device", "tpu9"], "config error: device tpu9 is unknown"),
-    (["+recipe=llama_4d", "--world", "12"], "config error: parallel: pp*dp_replicate*dp_shard*cp*tp=16 must equal"),
-    (["--search", "--gpus", "2", "--device", "a100", "model=llama3_70b"], "config error: --search: no layout of"),
+    (["+recipe=llama_4d", "--world", "12"],
+     "config error: parallel: pp*dp_replicate*dp_shard*cp*tp=16 must equal"),
+    (["--search", "--gpus", "2", "--device", "a100", "model=llama3_70b"],
+     "config error: --search: no layout of"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     code, out, err = run_plan(capsys, *args)
@@ -175,27 +192,32 @@ def test_bad_input_is_one_line(args, message, capsys):
 @pytest.mark.multiprocess
 def test_train_refuses_a_job_that_will_not_fit(tmp_path):
     """Llama 3 8B without the debug model on this machine: stopped before any allocation, with the
-    advice that fits the largest term (its optimizer state; without checkpointing, its activations)."""
+    advice that fits the largest term (its optimizer state; without checkpointing, its
+    activations)."""
     for extra, largest, advice in (([], "optimizer", "shard over more ranks"),
                                    (["training.activation_checkpoint=none"], "activations",
                                     "set training.activation_checkpoint=selective or full")):
         start = time.perf_counter()
-        result = launch(1, "+recipe=llama_fsdp", "device=cpu", *extra, output_dir=tmp_path, timeout=120)
+        result = launch(1, "+recipe=llama_fsdp", "device=cpu", *extra, output_dir=tmp_path,
+                        timeout=120)
         assert result.returncode == 2 and time.perf_counter() - start < 60
-        assert result.stderr.startswith("config error: plan: the job needs") and "plan.check=false" in result.stderr
-        assert f"largest term: {largest}" in result.stderr and advice in result.stderr, result.stderr
+        assert result.stderr.startswith("config error: plan: the job "
+                                        "needs") and "plan.check=false" in result.stderr
+        assert ("largest term: "
+                f"{largest}" in result.stderr and advice in result.stderr), result.stderr
 
 
 # Layouts measured against the plan: debug models made wide enough that tensors dominate.
 LLAMA = ("model=llama_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_layers=4")
 MIXTRAL = ("model=mixtral_debug", "model.dim=512", "model.ffn_dim=1024")
 # Qwen3's heads twice as wide as dim / n_heads, and q/k norms. DeepSeek-V3's latent attention (a
-# 256-rank query latent, a 128-rank key/value latent, values narrower than the keys), 2 dense blocks and
-# 6 MoE blocks with its routing (sigmoid scores, groups, a shared expert, the moving bias).
-QWEN3 = ("model=qwen3_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_layers=4", "model.head_dim=128")
-DEEPSEEK_V3 = ("model=deepseek_v3_debug", "model.dim=512", "model.dense_ffn_dim=1024", "model.ffn_dim=256",
-               "model.q_lora_rank=256", "model.kv_lora_rank=128", "model.qk_nope_head_dim=64",
-               "model.qk_rope_head_dim=32", "model.v_head_dim=64")
+# 256-rank query latent, a 128-rank key/value latent, values narrower than the keys), 2 dense blocks
+# and 6 MoE blocks with its routing (sigmoid scores, groups, a shared expert, the moving bias).
+QWEN3 = ("model=qwen3_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_layers=4",
+         "model.head_dim=128")
+DEEPSEEK_V3 = ("model=deepseek_v3_debug", "model.dim=512", "model.dense_ffn_dim=1024",
+               "model.ffn_dim=256", "model.q_lora_rank=256", "model.kv_lora_rank=128",
+               "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64")
 SIZE = ("+smoke=cpu", "training.seq_len=512", "training.global_batch_size=4")
 MEASURED = {
     "single": (1, LLAMA),
@@ -212,7 +234,8 @@ MEASURED = {
     # Muon: one momentum buffer, and its exchange's gathered matrices at the optimizer step.
     "fsdp2_muon": (2, ("+recipe=llama_fsdp", *LLAMA, "optim=muon")),
 }
-# Muon's steps are the AdamW ones plus its optimizer term (timed once: +5.6%, the plan over the run).
+# Muon's steps are the AdamW ones plus its optimizer
+# term (timed once: +5.6%, the plan over the run).
 UNTIMED = ("fsdp2_muon",)
 MEMORY_RTOL = 0.10
 SPEED_RTOL = 0.30
@@ -225,10 +248,11 @@ COUNTED, TIMED = 2, 3
 # pipeline, ring attention, experts checkpointed on their own.
 SELECTIVE = ("fsdp2", "tp2", "pp2_1f1b", "cp2", "ep2", "qwen3_tp2")
 # Full checkpointing on the 4- and 8-rank layouts adds nothing the 2-rank ones do not hold, nor on
-# qwen3_tp2 and deepseek_v3_ep2 what tp2 and ep2 do (suite time; measured once: -1.4%, -6.6%), nor on one
-# rank what fsdp2 holds, nor under Muon what fsdp2 under AdamW does (measured once: +6.7%).
+# qwen3_tp2 and deepseek_v3_ep2 what tp2 and ep2 do (suite time; measured once: -1.4%, -6.6%), nor
+# on one rank what fsdp2 holds, nor under Muon what fsdp2 under AdamW does (measured once: +6.7%).
 NOT_FULL = ("single", "hsdp2x2", "tp2_pp4", "qwen3_tp2", "deepseek_v3_ep2", "fsdp2_muon")
-CASES = [(layout, ac) for layout in MEASURED for ac in ("none", "full") if not (ac == "full" and layout in NOT_FULL)]
+CASES = [(layout, ac) for layout in MEASURED for ac in ("none", "full")
+         if not (ac == "full" and layout in NOT_FULL)]
 CASES += [(layout, "selective") for layout in (*SELECTIVE, "deepseek_v3_ep2")]
 # The other selective policy (ops: every matmul's output kept), where the policies differ most.
 OPS = ("fsdp2", "tp2")
@@ -243,14 +267,17 @@ def case(layout: str, ac: str) -> tuple[int, bool, tuple[str, ...]]:
     timed = ranks <= 2 and ac == "none" and layout not in UNTIMED
     steps = COUNTED + (TIMED if timed else 0)
     mode, _, policy = ac.partition("_")
-    checkpointing = (f"training.activation_checkpoint={mode}", f"training.selective_policy={policy or 'half_mm'}")
+    checkpointing = (f"training.activation_checkpoint={mode}",
+                     f"training.selective_policy={policy or 'half_mm'}")
     return ranks, timed, (*overrides, *SIZE, f"training.steps={steps}", *checkpointing)
 
 
 def train_case(layout: str, ac: str, tmp_path) -> list[dict]:
     ranks, _, overrides = case(layout, ac)
-    # One thread a rank, as the plan's matmul rate is timed (one rank would otherwise take every core).
-    records = train_metrics(ranks, *overrides, output_dir=tmp_path / ac, timeout=300, env=ONE_THREAD)
+    # One thread a rank, as the plan's matmul rate is
+    # timed (one rank would otherwise take every core).
+    records = train_metrics(ranks, *overrides, output_dir=tmp_path / ac, timeout=300,
+                            env=ONE_THREAD)
     _measured[layout, ac] = records[-1]["mem_tensor_gib"]
     return records
 
@@ -265,23 +292,27 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
     before = measure_cpu(ranks, threads=1) if timed else None
     records = train_case(layout, ac, tmp_path)
     job = job_of(*overrides)
-    if timed:  # the faster of two timings: a neighbour's burst on this shared machine only ever slows one
+    # the faster of two timings: a neighbour's burst on this shared machine only ever slows one
+    if timed:
         device = max(before, measure_cpu(ranks, threads=1), key=lambda d: d.fp32_tflops)
     else:
         device = local_device(torch.device("cpu"), ranks)
     # Rank 0's experts take the share of the slots the router gives them: the plan, which assumes an
     # even share, is given the measured one (its largest over the counted steps).
-    load = max(r["expert_load_ep"][0] for r in records[:COUNTED]) if "expert_load_ep" in records[0] else 1.0
+    load = (max(r["expert_load_ep"][0] for r in records[:COUNTED]) if "expert_load_ep" in records[0]
+            else 1.0)
     plan = make_plan(job, check_job(job, ranks), device, expert_load=load)
     measured, predicted = records[-1]["mem_tensor_gib"], plan.ranks[0].peak / GIB
-    print(f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f} ({predicted / measured - 1:+.1%})")
+    print(f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f} "
+          f"({predicted / measured - 1:+.1%})")
     assert abs(predicted / measured - 1) <= MEMORY_RTOL, \
         f"{layout}/{ac}: measured {measured:.3f} GiB, plan {predicted:.3f}"
     if timed:
         speed = statistics.median(r["tokens_per_s"] for r in records[COUNTED:])
         if abs(plan.tokens_per_s / speed - 1) > SPEED_RTOL:
             # Once more, the run and the matmul timing both: this shared box slows either at times.
-            rerun = train_metrics(ranks, *overrides, output_dir=tmp_path / "again", timeout=300, env=ONE_THREAD)
+            rerun = train_metrics(ranks, *overrides, output_dir=tmp_path / "again", timeout=300,
+                                  env=ONE_THREAD)
             speed = max(speed, statistics.median(r["tokens_per_s"] for r in rerun[COUNTED:]))
             device = max(device, measure_cpu(ranks, threads=1), key=lambda d: d.fp32_tflops)
             plan = make_plan(job, check_job(job, ranks), device, expert_load=load)
@@ -303,14 +334,17 @@ def test_the_chunked_loss_saves_two_fp32_logits_and_the_plan_knows(tmp_path):
     measured, planned = {}, {}
     for name, chunk in (("plain", "null"), ("chunked", "512")):
         overrides = (*LARGE_VOCAB, f"training.loss_chunk_tokens={chunk}")
-        measured[name] = train_metrics(1, *overrides, output_dir=tmp_path / name)[-1]["mem_tensor_gib"]
+        records = train_metrics(1, *overrides, output_dir=tmp_path / name)
+        measured[name] = records[-1]["mem_tensor_gib"]
         job = job_of(*overrides)
-        planned[name] = make_plan(job, check_job(job, 1), local_device(torch.device("cpu"), 1)).ranks[0].peak / GIB
+        plan = make_plan(job, check_job(job, 1), local_device(torch.device("cpu"), 1))
+        planned[name] = plan.ranks[0].peak / GIB
     print(f"32K vocabulary, 2,048 tokens: measured {measured}, planned {planned} (GiB)")
     logits = 2048 * 32000 * 4 / GIB
     assert measured["plain"] - measured["chunked"] >= 2 * logits, measured
     for name in measured:
-        assert abs(planned[name] / measured[name] - 1) <= MEMORY_RTOL, f"{name}: {measured} {planned}"
+        assert abs(planned[name] / measured[name] - 1) <= MEMORY_RTOL, (
+            f"{name}: {measured} {planned}")
 
 
 @pytest.mark.multiprocess
@@ -318,7 +352,9 @@ def test_the_chunked_loss_saves_two_fp32_logits_and_the_plan_knows(tmp_path):
 def test_selective_checkpointing_keeps_less_than_none_and_more_than_full(layout, tmp_path):
     """Measured by the runs above (a case runs here only if it has not run yet): none > ops >
     half_mm > full where both policies ran."""
-    order = ("none", "selective_ops", "selective", "full") if layout in OPS else ("none", "selective", "full")
-    held = [_measured.get((layout, ac)) or train_case(layout, ac, tmp_path)[-1]["mem_tensor_gib"] for ac in order]
+    order = ("none", "selective_ops", "selective", "full") if layout in OPS else (
+        "none", "selective", "full")
+    held = [_measured.get((layout, ac)) or train_case(layout, ac, tmp_path)[-1]["mem_tensor_gib"]
+            for ac in order]
     assert held == sorted(held, reverse=True) and len(set(held)) == len(held), \
         f"{layout}: " + ", ".join(f"{ac} {gib:.3f} GiB" for ac, gib in zip(order, held))

@@ -13,14 +13,16 @@ import plot_run  # noqa: E402
 from trainer.observe.compare import read_run  # noqa: E402
 
 NEEDS_MATPLOTLIB = needs("matplotlib", "plot")
-# matplotlib's first plot on a machine builds its font cache, which runs one `fc-list`: a tool's command.
+# matplotlib's first plot on a machine builds its font
+# cache, which runs one `fc-list`: a tool's command.
 BUILDS_FONT_CACHE = pytest.mark.tool
 
 
 def write_run(path, scale=1.0, parallel=None, world=1, **config):
     path.mkdir(parents=True)
-    rows = [{"step": s, "loss": scale * 8 / s, "grad_norm": 3.0, "lr": 1e-3 * min(1, s / 3), "tokens_per_s": 900.0 + s,
-             "mem_gib": 0.5, "world_size": world, **({"val_loss": scale * 8.5 / s} if s % 5 == 0 else {})}
+    rows = [{"step": s, "loss": scale * 8 / s, "grad_norm": 3.0, "lr": 1e-3 * min(1, s / 3),
+             "tokens_per_s": 900.0 + s, "mem_gib": 0.5, "world_size": world,
+             **({"val_loss": scale * 8.5 / s} if s % 5 == 0 else {})}
             for s in range(1, 21)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (path / "config.yaml").write_text(yaml.safe_dump({"device": "cpu", "parallel": parallel or {},
@@ -58,8 +60,8 @@ def test_several_runs_share_the_axes_named_by_their_layouts(tmp_path):
     adamw = write_run(tmp_path / "x" / "run", optim={"name": "adamw", "lr_ratio": 0.1})
     muon = write_run(tmp_path / "y" / "run", optim={"name": "muon", "lr_ratio": 0.1})
     figure = plot_run.plot([read_run(adamw), read_run(muon)])
-    assert [line.get_label() for line in figure.axes[1].lines] == ["run (one process) optim.name=adamw",
-                                                                   "run (one process) optim.name=muon"]
+    labels = [line.get_label() for line in figure.axes[1].lines]
+    assert labels == ["run (one process) optim.name=adamw", "run (one process) optim.name=muon"]
 
 
 def test_a_folder_without_metrics_is_one_line_and_exit_2(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Values no key can take (trainer/checks/ranges.py): each one config error line, before anything is built."""
+"""Values no key can take (trainer/checks/ranges.py): each one config error line, before anything is
+built."""
 
 import pytest
 

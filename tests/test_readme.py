@@ -1,7 +1,7 @@
 """Every command the README shows that names its job in full runs as written: each train.py launch
-(torchrun, trainer-run, python) passes every rule a rank checks first, for the world it launches, and
-each plan.py command exits 0. Commands with placeholders (`...`, `$HEAD`), data or weights the reader
-brings, Slurm and the set-up lines are left to the tests of what they run."""
+(torchrun, trainer-run, python) passes every rule a rank checks first, for the world it launches,
+and each plan.py command exits 0. Commands with placeholders (`...`, `$HEAD`), data or weights the
+reader brings, Slurm and the set-up lines are left to the tests of what they run."""
 
 import re
 import shlex
@@ -27,7 +27,8 @@ BROUGHT = re.compile(r"(path|initial|mix|imports|plan\.device)=")
 
 
 def commands() -> list[list[str]]:
-    """The README's shell commands, one word list each (continued lines joined, comments dropped)."""
+    """The README's shell commands, one word list each (continued lines joined, comments
+    dropped)."""
     text = (REPO / "README.md").read_text()
     found = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
@@ -47,13 +48,15 @@ def launches() -> list[tuple[int, list[str]]]:
         launcher, overrides = words[:words.index("train.py")], words[words.index("train.py") + 1:]
         if any(BROUGHT.search(arg) for arg in overrides) or "--cfg" in overrides:
             continue
-        options = dict(arg[2:].split("=", 1) for arg in launcher if arg.startswith("--") and "=" in arg)
+        options = dict(arg[2:].split("=", 1) for arg in launcher if arg.startswith("--")
+                       and "=" in arg)
         nodes = options.get("nnodes", "1").partition(":")[0]  # an elastic range: the fewest nodes
         found.append((world_of(options.get("nproc_per_node", "1"), nodes), overrides))
     return found
 
 
-@pytest.mark.parametrize("world, overrides", launches(), ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
+@pytest.mark.parametrize("world, overrides", launches(),
+                         ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
 def test_a_readme_launch_passes_the_checks_every_rank_makes(world, overrides):
     job = compose_job(overrides)
     import_modules(job.imports)
@@ -64,7 +67,8 @@ def test_a_readme_launch_passes_the_checks_every_rank_makes(world, overrides):
     check_config(job, world)
 
 
-PLANS = [words[2:] for words in commands() if words[:2] == ["python", "scripts/plan.py"] and "--calibrate" not in words]
+PLANS = [words[2:] for words in commands() if words[:2] == ["python", "scripts/plan.py"]
+         and "--calibrate" not in words]
 
 
 @pytest.mark.parametrize("argv", PLANS, ids=" ".join)
@@ -79,7 +83,10 @@ def test_the_readme_shows_the_commands_these_tests_run():
 @pytest.mark.tool
 @pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")
 def test_what_the_readme_s_scripts_write_leaves_git_status_clean():
-    """scripts/chat_example.py data/chat and plan.py --calibrate --name NAME write into the checkout."""
-    written = ["data/chat/chat.jsonl", "devices/my-box.json", "devices/my-box.json.before-2026-11-28"]
-    result = subprocess.run(["git", "check-ignore", *written], cwd=REPO, capture_output=True, text=True, timeout=30)
+    """scripts/chat_example.py data/chat and plan.py --calibrate --name NAME write into the
+    checkout."""
+    written = ["data/chat/chat.jsonl", "devices/my-box.json",
+               "devices/my-box.json.before-2026-11-28"]
+    result = subprocess.run(["git", "check-ignore", *written], cwd=REPO, capture_output=True,
+                            text=True, timeout=30)
     assert result.stdout.split() == written, result.stdout + result.stderr

@@ -15,8 +15,8 @@ from helpers import REPO, WarmLauncher, read_metrics
 CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
 WARM = REPO / "tests" / "warm"
 STEPS = 10
-BASE = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}", "training.seq_len=64",
-        "training.lr=3e-3", "checkpoint.enabled=true")
+BASE = ("+recipe=llama_fsdp", "model=llama_debug", "+smoke=cpu", f"training.steps={STEPS}",
+        "training.seq_len=64", "training.lr=3e-3", "checkpoint.enabled=true")
 JOB = (*BASE, "checkpoint.interval=100")
 
 pytestmark = pytest.mark.multiprocess  # every test here starts a cluster and jobs
@@ -24,26 +24,29 @@ pytestmark = pytest.mark.multiprocess  # every test here starts a cluster and jo
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """The environment for Slurm commands on a freshly started local cluster (stopped afterwards)."""
-    env = {**os.environ, "SLURM_LOCAL_DIR": str(tmp_path_factory.mktemp("slurm")), "SLURM_LOCAL_PORT": "17817"}
-    started = subprocess.run(["bash", str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=300)
+    """The environment for Slurm commands on a freshly started local cluster (stopped
+    afterwards)."""
+    env = {**os.environ, "SLURM_LOCAL_DIR": str(tmp_path_factory.mktemp("slurm")),
+           "SLURM_LOCAL_PORT": "17817"}
+    started = subprocess.run(["bash", str(CLUSTER), "start"], env=env, capture_output=True,
+                             text=True, timeout=300)
     if started.returncode == 3:
         pytest.skip(started.stderr.strip())
     assert started.returncode == 0, started.stdout + started.stderr
     env["SLURM_CONF"] = str(Path(env["SLURM_LOCAL_DIR"]) / "slurm.conf")
-    # Each node's torchrun starts two CPU ranks from this Python environment: the train.py of the job's
-    # folder (WARM) is tests/warm/train.py, its ranks forked from the suite's warm launcher.
-    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
-               WARM_LAUNCHER=str(WarmLauncher.get().socket))
+    # Each node's torchrun starts two CPU ranks from this Python environment: the train.py of the
+    # job's folder (WARM) is tests/warm/train.py, its ranks forked from the suite's warm launcher.
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", NPROC_PER_NODE="2",
+               OMP_NUM_THREADS="1", WARM_LAUNCHER=str(WarmLauncher.get().socket))
     yield env
     subprocess.run(["bash", str(CLUSTER), "stop"], env=env, capture_output=True, timeout=60)
 
 
 def submit(env: dict, out: Path, *args: str, sbatch_args: tuple = ()) -> str:
     """Submits train.sbatch on both nodes; returns the job id."""
-    cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--chdir={WARM}",
-           f"--output={out}/%x-%j.out", *sbatch_args, str(REPO / "scripts" / "slurm" / "train.sbatch"), *args,
-           f"output_dir={out}"]
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
+           f"--chdir={WARM}", f"--output={out}/%x-%j.out", *sbatch_args,
+           str(REPO / "scripts" / "slurm" / "train.sbatch"), *args, f"output_dir={out}"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
@@ -54,7 +57,8 @@ FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 def state(env: dict, job: str) -> str:
     """The job's state, GONE once Slurm has forgotten it."""
-    result = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True,
+                            text=True, timeout=30)
     if "Invalid job id" in result.stderr:
         return "GONE"
     fields = dict(f.split("=", 1) for f in result.stdout.split() if "=" in f)
@@ -101,14 +105,17 @@ def test_preemption_signal_saves_requeues_and_resumes(slurm, two_node_run, tmp_p
     job = submit(slurm, out, *JOB)
     try:
         metrics = out / "metrics.jsonl"
-        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "step 3")
+        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300,
+                   "step 3")
         # What Slurm does before the time limit (--signal=B:USR1@120): signal the batch script.
-        subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True, timeout=30)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True,
+                       timeout=30)
         wait_until(lambda: "requeueing" in log_of(out, job), 120, "the requeue")
         # A requeued job waits about two minutes before it may start again; let it start in a few
         # seconds (sooner, the nodes may still refuse the previous run's revoked credential).
         wait_until(lambda: state(slurm, job) == "PENDING", 60, "the job to be pending")
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], env=slurm, check=True, timeout=30)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], env=slurm,
+                       check=True, timeout=30)
         wait_until(lambda: finished(slurm, job), 300, f"job {job} to finish")
     finally:
         subprocess.run(["scancel", job], env=slurm, timeout=30)
@@ -123,7 +130,8 @@ def test_preemption_signal_saves_requeues_and_resumes(slurm, two_node_run, tmp_p
 
 
 def node_processes(job: str, node: int) -> list[int]:
-    """The processes Slurm started for `job` on `node` (its torchrun agent and ranks), by their environment."""
+    """The processes Slurm started for `job` on `node` (its torchrun agent and ranks), by their
+    environment."""
     found = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -131,7 +139,8 @@ def node_processes(job: str, node: int) -> list[int]:
             env = dict(item.split("=", 1) for item in items if "=" in item)
         except OSError:
             continue
-        if env.get("SLURM_JOB_ID") == job and env.get("SLURM_NODEID") == str(node) and "SLURM_STEP_ID" in env:
+        ours = env.get("SLURM_JOB_ID") == job and env.get("SLURM_NODEID") == str(node)
+        if ours and "SLURM_STEP_ID" in env:
             found.append(int(environ.parent.name))
     return found
 
@@ -141,11 +150,14 @@ def test_elastic_job_goes_on_without_a_lost_node(slurm, two_node_run, tmp_path):
     checkpoint (a node lost); the first node's ranks resume from it alone, on 2 ranks, and finish
     with the two-node run's losses."""
     out = tmp_path
-    env = {**slurm, "MIN_NODES": "1", "RDZV_CONF": "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3"}
-    job = submit(env, out, *BASE, "checkpoint.interval=2", "training.micro_batch_size=2", sbatch_args=("--no-kill",))
+    env = {**slurm, "MIN_NODES": "1",
+           "RDZV_CONF": "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3"}
+    job = submit(env, out, *BASE, "checkpoint.interval=2", "training.micro_batch_size=2",
+                 sbatch_args=("--no-kill",))
     try:
         metrics = out / "metrics.jsonl"
-        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 300, "step 5")
+        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 300,
+                   "step 5")
         lost = node_processes(job, 1)
         assert lost, "no processes of the job on the second node"
         for pid in lost:
@@ -158,8 +170,9 @@ def test_elastic_job_goes_on_without_a_lost_node(slurm, two_node_run, tmp_path):
     assert "elastic, 1 to 2 nodes" in log and "world changed from 4 to 2 ranks" in log, log[-4000:]
     records = {r["step"]: r for r in read_metrics(out)}
     reference = {r["step"]: r["loss"] for r in read_metrics(two_node_run[0])}
-    assert sorted(records) == list(range(1, STEPS + 1)) and records[STEPS]["world_size"] == 2, log[-4000:]
+    assert sorted(records) == list(range(1, STEPS + 1)), log[-4000:]
+    assert records[STEPS]["world_size"] == 2, log[-4000:]
     difference = max(abs(records[s]["loss"] - reference[s]) / reference[s] for s in records)
-    print(f"slurm elastic: a node lost after step 4, finished on one (job {ended}); largest relative loss "
-          f"difference {difference:.1e}")
+    print(f"slurm elastic: a node lost after step 4, finished on one (job {ended}); largest "
+          f"relative loss difference {difference:.1e}")
     assert difference <= 1e-4

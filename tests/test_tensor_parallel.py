@@ -1,5 +1,5 @@
-"""Tensor parallel: the output head and its loss split on the vocabulary (or not), and how much of the model
-each rank holds."""
+"""Tensor parallel: the output head and its loss split on the vocabulary (or not), and how much of
+the model each rank holds."""
 
 import pytest
 import torch
@@ -18,20 +18,22 @@ def _tp2_fsdp2(rank, world_size, loss_parallel):
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=world_size)
     dims.build_mesh("cpu")
     model = build_model("llama_debug", device="meta")
-    parallelize(model, family("llama"), dims, ParallelOptions(loss_parallel=loss_parallel), model.config)
+    parallelize(model, family("llama"), dims, ParallelOptions(loss_parallel=loss_parallel),
+                model.config)
     materialize(model, "cpu")
     init_weights(model, seed=0)
     set_loss_chunk(model, 5)  # 32 tokens: six chunks and a short one
 
-    # Every weight is split over all four ranks (dp_shard x tp) but the norms, split over dp only, and
-    # without loss parallel the output head, replicated on the tp ranks.
+    # Every weight is split over all four ranks (dp_shard x tp) but the norms, split over dp only,
+    # and without loss parallel the output head, replicated on the tp ranks.
     total = count_params(build_model("llama_debug", device="meta"))
     local = sum(p.to_local().numel() for p in model.parameters())
     on_dp = ("norm.weight",) if loss_parallel else ("norm.weight", "output.weight")
     dp_only = sum(p.numel() for name, p in model.named_parameters() if name.endswith(on_dp))
     assert local == (total - dp_only) // 4 + dp_only // 2
 
-    # The same tokens on every rank (FSDP's average of equal gradients is that gradient), one label ignored.
+    # The same tokens on every rank (FSDP's average of
+    # equal gradients is that gradient), one label ignored.
     tokens = torch.randint(0, 2048, (2, 17), generator=torch.Generator().manual_seed(0))
     labels = tokens[:, 1:].clone()
     labels[1, 4] = IGNORE_INDEX
@@ -50,11 +52,14 @@ def _tp2_fsdp2(rank, world_size, loss_parallel):
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     for name in ("output.weight", "tok_embeddings.weight", "layers.0.attention.wq.weight"):
-        grad, plain = model.get_parameter(name).grad.full_tensor(), reference.get_parameter(name).grad
+        grad, plain = (model.get_parameter(name).grad.full_tensor(),
+                       reference.get_parameter(name).grad)
         assert (grad - plain).norm() <= 1e-6 * plain.norm(), name
-    with torch.no_grad():  # asked for logits, a rank gives its vocabulary shard (loss parallel) or all
+    # asked for logits, a rank gives its vocabulary shard (loss parallel) or all
+    with torch.no_grad():
         logits = model(tokens[:, :-1])
-    assert logits.shape == (2, 16, 2048 // 2 if loss_parallel else 2048) and not isinstance(logits, DTensor)
+    assert logits.shape == (2, 16, 2048 // 2 if loss_parallel else 2048)
+    assert not isinstance(logits, DTensor)
 
 
 @pytest.mark.multiprocess

@@ -8,41 +8,47 @@ import pytest
 from helpers import ENV, REPO, read_metrics, torchrun
 from omegaconf import OmegaConf
 
-FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib", "param_mib",
-          "elapsed_s", "eta_s", "time", "world_size", "restart"}
+FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib",
+          "param_mib", "elapsed_s", "eta_s", "time", "world_size", "restart"}
 SHORT = ("model=llama_debug", "+smoke=cpu", "training.steps=4", "training.seq_len=32")
 
 
 @pytest.mark.multiprocess
 def test_torchrun_writes_metrics_config_console_lines_and_a_profile(tmp_path):
-    result = torchrun(2, "+recipe=llama_fsdp", *SHORT, "metrics.peak_tflops=0.5", "metrics.profile_step=3",
-                      output_dir=tmp_path, timeout=240)
+    result = torchrun(2, "+recipe=llama_fsdp", *SHORT, "metrics.peak_tflops=0.5",
+                      "metrics.profile_step=3", output_dir=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
         assert FIELDS <= record.keys()
-        assert record["tokens_per_s"] > 0 and record["mem_gib"] > record["mem_tensor_gib"] > 0 and 0 < record["mfu"] < 1
+        assert (record["tokens_per_s"] > 0 and record["mem_gib"] > record["mem_tensor_gib"] > 0
+                and 0 < record["mfu"] < 1)
     assert records[-1]["loss"] < records[0]["loss"]
-    # Memory: step 1's own peak, then the steady state's (the optimizer's state held through a step),
-    # which the plan's prediction is held against.
+    # Memory: step 1's own peak, then the steady state's (the optimizer's state held through a
+    # step), which the plan's prediction is held against.
     assert [r["mem_since_step"] for r in records] == [1, 2, 2, 2]
     assert records[1]["mem_tensor_gib"] > records[0]["mem_tensor_gib"]
     said = [line for line in result.stdout.splitlines() if line.startswith("plan: measured peak")]
-    assert len(said) == 1 and said[0].startswith(f"plan: measured peak {records[1]['mem_tensor_gib']:.2f} GiB of "
-                                                 f"tensors on rank 0 since step 2, the steady state"), said
+    assert len(said) == 1 and said[0].startswith("plan: measured peak "
+                                                 f"{records[1]['mem_tensor_gib']:.2f} GiB of "
+                                                 "tensors on rank 0 since step 2, the steady "
+                                                 "state"), said
     assert result.stdout.count(" tok/s | ") == 4  # one console line per step, rank 0 only
     assert records[-1]["eta_s"] == 0 and result.stdout.count("s left\n") == 4
     summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
-    assert summary[0].startswith("summary: trained steps 1-4 (4 steps, 1,024 tokens) in ") and len(summary) == 3
+    assert summary[0].startswith("summary: trained steps 1-4 (4 steps, 1,024 tokens) "
+                                 "in ") and len(summary) == 3
     assert "GiB a rank (rank " in summary[1] and "0 optimizer step(s) skipped" in summary[1]
     saved = OmegaConf.load(tmp_path / "config.yaml")
     assert saved.parallel.dp_shard == -1 and saved.output_dir == str(tmp_path)
-    for rank in (0, 1):  # step 3 on every rank: its trace, and its ops by time with FSDP's collectives
+    # step 3 on every rank: its trace, and its ops by time with FSDP's collectives
+    for rank in (0, 1):
         trace = json.loads((tmp_path / "profile" / f"rank_{rank}.json").read_text())
         assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
         table = (tmp_path / "profile" / f"rank_{rank}.txt").read_text()
-        assert table.startswith(f"step 3, rank {rank}") and "aten::mm" in table and "FSDP::all_gather" in table
+        assert table.startswith("step 3, rank "
+                                f"{rank}") and "aten::mm" in table and "FSDP::all_gather" in table
 
 
 @pytest.mark.multiprocess
@@ -57,16 +63,19 @@ def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
     assert 'train.py", line' not in result.stderr and "/trainer/" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
     # trainer-run checks the config before it starts any rank: the line, exit 2, nothing else.
-    run = subprocess.run([sys.executable, "-m", "trainer.run.launcher", "--standalone", "--nproc_per_node=4",
-                          str(REPO / "train.py"), *bad, f"output_dir={tmp_path}"], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "trainer.run.launcher", "--standalone",
+                          "--nproc_per_node=4",
+                          str(REPO / "train.py"), *bad, f"output_dir={tmp_path}"], cwd=REPO,
+                         env=ENV, capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stderr) == (2, line + "\n")
     # So it does for parallel=auto: the layout every rank would choose, found impossible first.
-    run = subprocess.run([sys.executable, "-m", "trainer.run.launcher", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "train.py"), *bad, "parallel=auto", f"output_dir={tmp_path}"], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and run.stderr.startswith("config error: parallel=auto: no layout of llama_debug on "
-                                                         "2 x cpu with parallel.tp=3 kept fits"), run.stderr
+    run = subprocess.run([sys.executable, "-m", "trainer.run.launcher", "--standalone",
+                          "--nproc_per_node=2",
+                          str(REPO / "train.py"), *bad, "parallel=auto", f"output_dir={tmp_path}"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.startswith("config error: parallel=auto: no layout "
+                                                         "of llama_debug on 2 x cpu with "
+                                                         "parallel.tp=3 kept fits"), run.stderr
     assert len(run.stderr.splitlines()) == 1 and not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -74,14 +83,15 @@ RANK_SIDE_ERRORS = {  # found by each rank under plain torchrun, whichever gets 
     ("+recipe=mixtral_ep", "model=mixtral_debug", "model.n_experts=6", "parallel.ep=4"):
         "config error: parallel.ep=4 must divide model.n_experts=6",
     ("training.global_batch_size=7",):
-        "config error: training.global_batch_size=7 must be divisible by dp*grad_accum_steps=2 (dp=2, "
-        "grad_accum_steps=1)",
+        "config error: training.global_batch_size=7 must be divisible by dp*grad_accum_steps=2 "
+        "(dp=2, grad_accum_steps=1)",
 }
 
 
 @pytest.mark.multiprocess
 def test_an_error_every_rank_finds_is_said_once_per_node_every_time(tmp_path):
-    """Whichever rank of the node finds it first says it; the others stay silent (no race with a wait)."""
+    """Whichever rank of the node finds it first says it; the others stay silent (no race with a
+    wait)."""
     for n, (overrides, line) in enumerate(list(RANK_SIDE_ERRORS.items()) * 2):
         result = torchrun(2, *overrides, "+smoke=cpu", output_dir=tmp_path / str(n), timeout=120)
         said = [x for x in result.stderr.splitlines() if x.startswith("config error:")]
@@ -90,10 +100,10 @@ def test_an_error_every_rank_finds_is_said_once_per_node_every_time(tmp_path):
 
 @pytest.mark.multiprocess
 def test_world_of_one_without_torchrun_with_validation_and_wandb(tmp_path):
-    cmd = [sys.executable, "train.py", "+recipe=llama_fsdp", *SHORT, "validation.every=2", "validation.steps=2",
-           "metrics.wandb.enabled=true", f"output_dir={tmp_path}"]
-    result = subprocess.run(cmd, cwd=REPO, env={**ENV, "WANDB_SILENT": "true"}, capture_output=True, text=True,
-                            timeout=240)
+    cmd = [sys.executable, "train.py", "+recipe=llama_fsdp", *SHORT, "validation.every=2",
+           "validation.steps=2", "metrics.wandb.enabled=true", f"output_dir={tmp_path}"]
+    result = subprocess.run(cmd, cwd=REPO, env={**ENV, "WANDB_SILENT": "true"}, capture_output=True,
+                            text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert [("val_loss" in r) for r in records] == [False, True, False, True]
@@ -118,11 +128,15 @@ def test_precision_and_compile_rules_are_config_errors(monkeypatch):
     check(param_dtype="bfloat16", reduce_dtype="bfloat16")
     check(device="cuda", reduce_dtype="bfloat16")  # auto: bf16 parameters on CUDA
     check(compile=True)
-    with pytest.raises(ConfigError, match=r"metrics.profile_step=0 must be a step of the run, 1..training.steps=1000"):
+    with pytest.raises(ConfigError,
+                       match=r"metrics.profile_step=0 must be a step of the run, "
+                             r"1..training.steps=1000"):
         job = JobConfig()
         job.training.seq_len, job.metrics.profile_step = 64, 0
         check_job(job, world=2)
-    with pytest.raises(ConfigError, match=r"metrics.memory_snapshot_step records the CUDA allocator: device=cpu"):
+    with pytest.raises(ConfigError,
+                       match=r"metrics.memory_snapshot_step records the CUDA allocator: "
+                             r"device=cpu"):
         job = JobConfig()
         job.device, job.training.seq_len, job.metrics.memory_snapshot_step = "cpu", 64, 3
         check_job(job, world=2)
@@ -137,7 +151,9 @@ def test_precision_and_compile_rules_are_config_errors(monkeypatch):
             check(**dtypes)
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("CXX", raising=False)
-    with pytest.raises(ConfigError, match=r"training.compile=true cannot compile on cpu here: no C\+\+ compiler"):
+    with pytest.raises(ConfigError,
+                       match=r"training.compile=true cannot compile on cpu here: no C\+\+ "
+                             r"compiler"):
         check(compile=True)
 
 
@@ -162,13 +178,15 @@ def test_mixture_of_experts_rules_are_config_errors():
 
     check_job(job_with(parallel__ep=2, parallel__tp=2), world=4)
     mixtral = dataclasses.asdict(load_model_config("mixtral_debug"))
-    with pytest.raises(ConfigError, match=r"model.n_experts is not a key of model.family=llama; it is one of "
-                                          r"model.family=deepseek_v3 or mixtral or qwen3_moe"):
+    with pytest.raises(ConfigError,
+                       match=r"model.n_experts is not a key of model.family=llama; it is one of "
+                             r"model.family=deepseek_v3 or mixtral or qwen3_moe"):
         load_model_config({**mixtral, "family": "llama"})
     for settings, message in [
         ({"model__top_k": 9}, r"model.top_k=9 must be between 1 and model.n_experts=8"),
         ({"model__top_k": 0}, r"model.top_k=0 must be between 1 and model.n_experts=8"),
-        ({"model__capacity_factor": 0.0}, r"model.capacity_factor=0.0 must be > 0, or null for dropless routing"),
+        ({"model__capacity_factor": 0.0},
+         r"model.capacity_factor=0.0 must be > 0, or null for dropless routing"),
         ({"parallel__tp": 2, "parallel__sequence_parallel": False},
          r"parallel.tp=2 with a mixture-of-experts model needs parallel.sequence_parallel=true"),
     ]:
@@ -184,7 +202,8 @@ def test_markers_of_launches_long_over_are_forgotten(tmp_path):
     sys.path.insert(0, str(REPO))
     from train import forget_old_markers
 
-    old, new, other = tmp_path / "trainer-said-1-aa", tmp_path / "trainer-said-2-bb", tmp_path / "other"
+    old, new, other = (tmp_path / "trainer-said-1-aa", tmp_path / "trainer-said-2-bb",
+                       tmp_path / "other")
     for path in (old, new, other):
         path.touch()
     os.utime(old, (time.time() - 3600, time.time() - 3600))

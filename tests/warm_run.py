@@ -1,6 +1,6 @@
-"""A run forked by the suite's warm launcher (tests/launch_server.py), as its client holds it: what the
-tests use of subprocess.Popen (pid, poll, wait, send_signal). Only the standard library: torchrun's
-stand-in for train.py (tests/warm/train.py) imports this and nothing heavier."""
+"""A run forked by the suite's warm launcher (tests/launch_server.py), as its client holds it: what
+the tests use of subprocess.Popen (pid, poll, wait, send_signal). Only the standard library:
+torchrun's stand-in for train.py (tests/warm/train.py) imports this and nothing heavier."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ HEADER = 16  # bytes: the request's length, sent with the files
 
 
 class WarmRun:
-    """Asks the warm launcher at `path` for `request` (see tests/launch_server.py), the child to use the
-    open files `stdio` (stdin, stdout, stderr). `args` names the run in errors."""
+    """Asks the warm launcher at `path` for `request` (see tests/launch_server.py), the child to use
+    the open files `stdio` (stdin, stdout, stderr). `args` names the run in errors."""
 
     def __init__(self, path: str, request: dict, stdio: tuple[int, int, int], args: list[str]):
         self.args, self.returncode, self._buffer = args, None, b""

@@ -18,7 +18,8 @@ def world_size() -> int:
 
 
 def resolve_device(setting: str) -> torch.device:
-    """`auto`: the GPU of this local rank when one is visible, else the CPU (`setting` checked by ranges.py)."""
+    """`auto`: the GPU of this local rank when one is visible, else the CPU (`setting` checked by
+    ranges.py)."""
     if setting == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no GPU is visible; use device=cpu or device=auto")
     if setting == "cpu" or not torch.cuda.is_available():
@@ -54,10 +55,12 @@ def init_distributed(device: torch.device, timeout_s: float = 1800) -> None:
         else:
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=_timeout)
-    except RuntimeError as e:  # a timeout, or a peer gone while joining (torch.distributed.DistError too)
+    # a timeout, or a peer gone while joining (torch.distributed.DistError too)
+    except RuntimeError as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingStopped(f"rank {os.environ['RANK']} could not join the job's process group (restart "
-                              f"{restart_count()}, distributed.timeout_s={timeout_s:g}): {reason}") from None
+        raise TrainingStopped(f"rank {os.environ['RANK']} could not join the job's process group "
+                              f"(restart {restart_count()}, distributed.timeout_s={timeout_s:g}): "
+                              f"{reason}") from None
 
 
 def restart_count() -> int:
@@ -82,21 +85,23 @@ def _attempt_store() -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=_timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=_timeout)
     return dist.PrefixStore(f"trainer/restart_{restart_count()}/world_{world_size()}/", store)
 
 
 def gloo_group() -> dist.ProcessGroup:
-    """A new gloo group of every rank (host-side work beside the device's), with the job's timeout."""
+    """A new gloo group of every rank (host-side work beside the device's), with the job's
+    timeout."""
     return dist.new_group(backend="gloo", timeout=_timeout)
 
 
 def gather_floats(values: list[float], group) -> list[list[float]]:
-    """Every rank's `values` on rank 0, in rank order; [] elsewhere (collective: a gather on `group`,
-    a gloo group: host numbers, nothing waits for the device)."""
+    """Every rank's `values` on rank 0, in rank order; [] elsewhere (collective: a gather on
+    `group`, a gloo group: host numbers, nothing waits for the device)."""
     mine = torch.tensor(values, dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))] if dist.get_rank() == 0 else None
+    gathered = ([torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+                if dist.get_rank() == 0 else None)
     dist.gather(mine, gathered, dst=0, group=group)
     return [g.tolist() for g in gathered] if gathered else []
 

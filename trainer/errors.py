@@ -3,4 +3,5 @@ class ConfigError(ValueError):
 
 
 class TrainingStopped(RuntimeError):
-    """Training cannot go on: printed as one `training stopped:` line on every rank; nothing more is saved."""
+    """Training cannot go on: printed as one `training stopped:` line on every rank; nothing more is
+    saved."""

@@ -10,8 +10,8 @@ The MoE experts' grouped GEMMs stay in the compute dtype.
 
 With the tensorwise recipe, FSDP all-gathers the weights in float8 (half of bf16's bytes) with their
 scales computed once a step after the optimizer (`Float8Scales`), and tensor parallel casts its
-inputs to float8 before it gathers them (torchao's float8 styles). Both move the same bits as casting
-after a high-precision gather would, so they change the communication, not the numbers.
+inputs to float8 before it gathers them (torchao's float8 styles). Both move the same bits as
+casting after a high-precision gather would, so they change the communication, not the numbers.
 """
 
 from __future__ import annotations
@@ -62,23 +62,25 @@ def check_float8(f8: Float8Config, device: str, compile: bool) -> None:
     if device != "cuda":
         return
     if not compile:
-        raise ConfigError("training.float8.enabled=true on a GPU needs training.compile=true: uncompiled, each "
-                          "float8 cast and scale is a kernel of its own and the step is slower than bf16")
+        raise ConfigError("training.float8.enabled=true on a GPU needs training.compile=true: "
+                          "uncompiled, each float8 cast and scale is a kernel of its own and the "
+                          "step is slower than bf16")
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9) and not f8.emulate:
-        raise ConfigError(f"training.float8.enabled=true needs a GPU with float8 matmuls (sm_89 or newer; this "
-                          f"{torch.cuda.get_device_name()} is sm_{major}{minor}): set training.float8.emulate=true "
-                          f"to check numerics, or training.float8.enabled=false")
+        raise ConfigError("training.float8.enabled=true needs a GPU with float8 matmuls (sm_89 or "
+                          f"newer; this {torch.cuda.get_device_name()} is sm_{major}{minor}): set "
+                          "training.float8.emulate=true to check numerics, or "
+                          "training.float8.enabled=false")
 
 
 def check_float8_layers(model: nn.Module, f8: Float8Config) -> None:
-    """Unless training.float8.skip_unaligned, a config error naming the layers float8 cannot take that
-    training.float8.skip leaves in (`model` may be on meta)."""
+    """Unless training.float8.skip_unaligned, a config error naming the layers float8 cannot take
+    that training.float8.skip leaves in (`model` may be on meta)."""
     unaligned = [name for name, m in _linears(model) if not _skipped(name, f8) and not _aligned(m)]
     if f8.enabled and unaligned and not f8.skip_unaligned:
-        raise ConfigError(f"training.float8: {_patterns(unaligned)} have dimensions float8 matmuls cannot take "
-                          f"(not multiples of {ALIGN}): add them to training.float8.skip, or set "
-                          f"training.float8.skip_unaligned=true")
+        raise ConfigError(f"training.float8: {_patterns(unaligned)} have dimensions float8 matmuls "
+                          f"cannot take (not multiples of {ALIGN}): add them to "
+                          "training.float8.skip, or set training.float8.skip_unaligned=true")
 
 
 def float8_of(training) -> Float8Config | None:
@@ -87,32 +89,40 @@ def float8_of(training) -> Float8Config | None:
 
 
 def gathers_in_float8(f8: Float8Config | None) -> bool:
-    """Whether FSDP and tensor parallel move float8 weights and inputs (torchao: tensorwise only)."""
+    """Whether FSDP and tensor parallel move float8 weights and inputs (torchao: tensorwise
+    only)."""
     return f8 is not None and f8.recipe == "tensorwise"
 
 
 def convert(model: nn.Module, f8: Float8Config) -> None:
-    """Swaps `model`'s linear layers for Float8Linear, but for those float8 leaves out (see above)."""
+    """Swaps `model`'s linear layers for Float8Linear, but for those float8 leaves out (see
+    above)."""
     ao = torchao_float8()
     config = ao.Float8LinearConfig.from_recipe_name(f8.recipe)
-    config = dataclasses.replace(config, emulate=f8.emulate, enable_fsdp_float8_all_gather=gathers_in_float8(f8))
+    config = dataclasses.replace(config, emulate=f8.emulate,
+                                 enable_fsdp_float8_all_gather=gathers_in_float8(f8))
     ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: (
         type(m) is nn.Linear and not _skipped(name, f8) and _aligned(m)))
 
 
 def describe(parts: list[nn.Module], f8: Float8Config) -> str:
-    """One start-up line: how many linear layers run in float8, and which stay in high precision, why."""
+    """One start-up line: how many linear layers run in float8, and which stay in high precision,
+    why."""
     from torchao.float8.float8_linear import Float8Linear
 
     converted = sum(isinstance(m, Float8Linear) for part in parts for m in part.modules())
     linears = [(name, m) for part in parts for name, m in _linears(part)]
-    kept = {"the loss": [name for part in parts for name, m in part.named_modules() if isinstance(m, LMHead)],
+    kept = {"the loss": [name for part in parts for name, m in part.named_modules()
+                         if isinstance(m, LMHead)],
             "training.float8.skip": [name for name, m in linears if _skipped(name, f8)],
             f"dimensions not multiples of {ALIGN}": [name for name, m in linears
-                                                      if not _skipped(name, f8) and not _aligned(m)]}
-    high = "; ".join(f"{_patterns(names)} ({why})" for why, names in kept.items() if names) or "none"
-    return f"float8 ({f8.recipe}{', emulated' if f8.emulate else ''}): {converted} linear layers; " \
-           f"in high precision: {high}"
+                                                      if not _skipped(name, f8)
+                                                     and not _aligned(m)]}
+    high = "; ".join(f"{_patterns(names)} "
+                     f"({why})" for why, names in kept.items() if names) or "none"
+    emulated = ", emulated" if f8.emulate else ""
+    return (f"float8 ({f8.recipe}{emulated}): {converted} linear layers; "
+            f"in high precision: {high}")
 
 
 def _linears(model: nn.Module):
@@ -128,13 +138,15 @@ def _aligned(linear: nn.Linear) -> bool:
 
 
 def _patterns(names: list[str]) -> str:
-    """Module names with their layer indices folded: layers.0.router, layers.1.router -> layers.*.router."""
-    return ", ".join(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", f".{name}.").strip(".") for name in names))
+    """Module names with their layer indices folded: layers.0.router, layers.1.router ->
+    layers.*.router."""
+    return ", ".join(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", f".{name}.").strip(".")
+                                   for name in names))
 
 
 def float8_tp_plan(model: nn.Module, plan: dict) -> dict:
-    """`plan` with torchao's float8 styles for the paths whose linear layers are all Float8Linear: the
-    inputs are cast to float8 before they are gathered over the tp ranks."""
+    """`plan` with torchao's float8 styles for the paths whose linear layers are all Float8Linear:
+    the inputs are cast to float8 before they are gathered over the tp ranks."""
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -145,13 +157,16 @@ def float8_tp_plan(model: nn.Module, plan: dict) -> dict:
     def all_float8(path: str) -> bool:
         modules = [m for name, m in model.named_modules() if name and fnmatch(name, path)]
         linears = [m for module in modules for m in module.modules() if isinstance(m, nn.Linear)]
-        return bool(linears) and all(isinstance(m, Float8Linear) and not isinstance(m, LMHead) for m in linears)
+        return bool(linears) and all(isinstance(m, Float8Linear) and not isinstance(m, LMHead)
+                                     for m in linears)
 
     mapped = {}
     for path, style in plan.items():
         if type(style) in (ColwiseParallel, RowwiseParallel) and all_float8(path):
-            kind = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
-            style = kind(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+            kind = (Float8ColwiseParallel if type(style) is ColwiseParallel
+                    else Float8RowwiseParallel)
+            style = kind(input_layouts=style.input_layouts[0],
+                         output_layouts=style.output_layouts[0],
                          use_local_output=style.use_local_output)
         elif type(style) is PrepareModuleInput and all_float8(path):
             style = PrepareFloat8ModuleInput(input_layouts=style.input_layouts,
@@ -180,23 +195,25 @@ def _byte_all_gather():
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             if output_tensor.dtype.itemsize == 1:
-                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+                output_tensor, input_tensor = (output_tensor.view(torch.uint8),
+                                               input_tensor.view(torch.uint8))
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                               async_op=async_op)
 
     return ByteAllGather()
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """A weight as FSDP's float8 all-gather holds it (inside torchao's wrapper), as the plain tensor it
-    wraps, sharing its storage: what a checkpoint saves, so that a run without float8 (or torchao)
-    reads it, and loads into, in place. Other tensors as they are."""
+    """A weight as FSDP's float8 all-gather holds it (inside torchao's wrapper), as the plain tensor
+    it wraps, sharing its storage: what a checkpoint saves, so that a run without float8 (or
+    torchao) reads it, and loads into, in place. Other tensors as they are."""
     local = t._local_tensor if isinstance(t, DTensor) else t
     if type(local).__name__ != "WeightWithDynamicFloat8CastTensor":
         return t
     if not isinstance(t, DTensor):
         return local._tensor
-    return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())
+    return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
 
 
 class Float8Scales(StepPart):
@@ -207,7 +224,8 @@ class Float8Scales(StepPart):
         self.model_parts = model_parts
 
     def before_forward(self, step: int) -> None:
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # (imported quietly at build)
+        # (imported quietly at build)
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         for part in self.model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)

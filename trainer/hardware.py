@@ -54,7 +54,8 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, sec
     return best
 
 
-def measure_cuda_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 8192, iterations: int = 20) -> float:
+def measure_cuda_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 8192,
+                        iterations: int = 20) -> float:
     """What the current CUDA device sustains on a large matmul (the plan's calibration)."""
     a, b = (torch.randn(size, size, dtype=dtype, device="cuda") for _ in range(2))
     for _ in range(3):
@@ -70,6 +71,6 @@ def measure_cuda_tflops(dtype: torch.dtype = torch.bfloat16, size: int = 8192, i
 def cuda_peak_tflops(name: str) -> float | None:
     peak = CUDA_PEAK_TFLOPS.get(name.strip())
     if peak is None:
-        warnings.warn(f"no peak FLOP/s known for the device {name!r}: mfu is null; set metrics.peak_tflops "
-                      "to its dense bf16 TFLOP/s to have it", stacklevel=2)
+        warnings.warn(f"no peak FLOP/s known for the device {name!r}: mfu is null; set "
+                      "metrics.peak_tflops to its dense bf16 TFLOP/s to have it", stacklevel=2)
     return peak

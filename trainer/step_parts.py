@@ -1,6 +1,6 @@
-"""Features that act around the training step, as parts with one small lifecycle. The loop calls each
-hook of every part in order; a part overrides the hooks it needs, and a feature that is off is not in
-the list, so the step itself names no feature."""
+"""Features that act around the training step, as parts with one small lifecycle. The loop calls
+each hook of every part in order; a part overrides the hooks it needs, and a feature that is off is
+not in the list, so the step itself names no feature."""
 
 from __future__ import annotations
 
@@ -19,15 +19,16 @@ class StepPart:
 
     def before_optimizer_step(self, step: int, skipped: torch.Tensor, microbatches: int) -> None:
         """Gradients clipped and the guard's verdict known (`skipped`: 1 when the optimizer step is
-        skipped, a device tensor, so no host sync); `microbatches`: those this rank ran in the step."""
+        skipped, a device tensor, so no host sync); `microbatches`: those this rank ran in the
+        step."""
 
     def after_step(self, step: int) -> None:
         """The step is over, applied or not (a failed replica round trains it again)."""
 
     def after_update(self, step: int) -> None:
-        """The step counted: every replica group applied its update (or the guard skipped it). A part
-        may move the run from here (a loss spike's rollback): the step is then neither logged nor
-        saved, and the loop goes on from where the run moved."""
+        """The step counted: every replica group applied its update (or the guard skipped it). A
+        part may move the run from here (a loss spike's rollback): the step is then neither logged
+        nor saved, and the loop goes on from where the run moved."""
 
     def enter(self, phase: str, long: bool = False) -> None:
         """The loop enters `phase` of the step (the metrics, a checkpoint); `long`: one allowed

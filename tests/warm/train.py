@@ -1,6 +1,6 @@
-"""train.py as torchrun starts it in the suite's launcher tests: the rank forked from the warm launcher
-(tests/warm/run.py). Torchrun, its agents and every signal stay real; a Slurm test's job runs in this
-folder, so its train.py is this one."""
+"""train.py as torchrun starts it in the suite's launcher tests: the rank forked from the warm
+launcher (tests/warm/run.py). Torchrun, its agents and every signal stay real; a Slurm test's job
+runs in this folder, so its train.py is this one."""
 
 import sys
 from pathlib import Path

@@ -5,5 +5,5 @@ from trainer.checkpoint.folders import CheckpointError, SafeReader, verify
 from trainer.checkpoint.saver import Checkpointer, restore, roll_back
 from trainer.checkpoint.state import TrainState, load_weights, save_weights
 
-__all__ = ["CheckpointError", "Checkpointer", "SafeReader", "TrainState", "load_weights", "restore", "roll_back",
-           "save_weights", "verify"]
+__all__ = ["CheckpointError", "Checkpointer", "SafeReader", "TrainState", "load_weights", "restore",
+           "roll_back", "save_weights", "verify"]

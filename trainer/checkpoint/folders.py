@@ -38,12 +38,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata and nothing else: its own classes, torch dtypes and sizes, paths."""
 
     OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-              ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+              ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+              ("collections", "OrderedDict")}
 
     def find_class(self, module: str, name: str):
-        if (module, name) == ("builtins", "getattr"):  # how some Python versions pickle an enum member
+        # how some Python versions pickle an enum member
+        if (module, name) == ("builtins", "getattr"):
             return _enum_member
-        allowed = (module.startswith("torch.distributed.checkpoint.") or (module, name) in self.OTHERS
+        allowed = (module.startswith("torch.distributed.checkpoint.")
+                   or (module, name) in self.OTHERS
                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name} does not belong in checkpoint metadata")
@@ -53,7 +56,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _enum_member(cls, name: str):
     if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) does not belong in checkpoint metadata")
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) does not belong in checkpoint "
+                                 "metadata")
 
 
 class SafeReader(FileSystemReader):
@@ -66,7 +70,8 @@ class SafeReader(FileSystemReader):
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise CheckpointError(f"{self.path} is not a readable checkpoint: {path.name}: {e}") from None
+            raise CheckpointError(f"{self.path} is not a readable checkpoint: {path.name}: "
+                                  f"{e}") from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -102,7 +107,8 @@ def _gather(value, world: int, group=None) -> list:
 def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None) -> None:
     """Collective (over `group`, default the world): checksums the files of a finished save, writes
     the manifest, renames tmp to final."""
-    sums = {k: v for part in _gather(_sums(tmp, rank, world), world, group) for k, v in part.items()}
+    sums = {k: v for part in _gather(_sums(tmp, rank, world), world, group)
+            for k, v in part.items()}
 
     def write_manifest() -> None:
         with open(tmp / MANIFEST, "w") as f:
@@ -114,7 +120,8 @@ def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None
         if final.exists():  # the same step saved again: the one there is kept, under another name
             aside = final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
             final.rename(aside)
-            print(f"checkpoint: {final} existed (a checkpoint is never overwritten): moved it to {aside}",
+            print(f"checkpoint: {final} existed (a checkpoint is never overwritten): moved it to "
+                  f"{aside}",
                   flush=True)
         tmp.rename(final)
 
@@ -210,7 +217,8 @@ def newest_step(path: Path, key: str, log) -> Path:
         return path
     found = find_resume(folder, *rank_world(), log)
     if found is None:
-        raise CheckpointError(f"{key}={path} is a run's folder with no complete checkpoint in {folder}")
+        raise CheckpointError(f"{key}={path} is a run's folder with no complete checkpoint in "
+                              f"{folder}")
     log(f"checkpoint: {key}={path} is a run's folder: its newest complete step is {found}")
     return found
 

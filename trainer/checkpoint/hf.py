@@ -28,12 +28,13 @@ def is_hf_dir(path: Path) -> bool:
 
 
 # The config.json keys every decoder this trainer reads has.
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
-            "rms_norm_eps")
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+            "intermediate_size", "rms_norm_eps")
 
 
 def read_config(path: Path) -> dict:
-    """The config.json of the Hugging Face directory `path`: there, JSON, with the keys every decoder has."""
+    """The config.json of the Hugging Face directory `path`: there, JSON, with the keys every
+    decoder has."""
     file = path / "config.json"
     if not file.is_file():
         raise ConfigError(f"{path} is not a Hugging Face model directory: it has no config.json")
@@ -43,17 +44,20 @@ def read_config(path: Path) -> dict:
         raise ConfigError(f"{file} is not JSON ({e})") from None
     missing = [key for key in REQUIRED if key not in hf]
     if missing:
-        raise ConfigError(f"{file} lacks {', '.join(missing)}: not the config of a model this trainer reads")
+        raise ConfigError(f"{file} lacks {', '.join(missing)}: not the config of a model this "
+                          "trainer reads")
     return hf
 
 
 def config_from_hf(path: Path) -> ModelConfig:
-    """Our model config for the Hugging Face model in directory `path`; unsupported features are errors."""
+    """Our model config for the Hugging Face model in directory `path`; unsupported features are
+    errors."""
     hf = read_config(path)
     spec = family_by_hf_type(hf.get("model_type"))
     if spec is None:
         supported = ", ".join(s.hf.model_type for s in map(family, families()) if s.hf is not None)
-        raise ConfigError(f"{path}/config.json: model_type={hf.get('model_type')} is not supported ({supported})")
+        raise ConfigError(f"{path}/config.json: model_type={hf.get('model_type')} is not supported "
+                          f"({supported})")
     architectures = hf.get("architectures") or [spec.hf.architecture]
     if spec.hf.architecture not in architectures:
         raise ConfigError(f"{path}/config.json: architectures={architectures} is not supported "
@@ -65,34 +69,42 @@ def config_from_hf(path: Path) -> ModelConfig:
         if hf.get(key) == bad:
             raise ConfigError(f"{path}/config.json: {key}={bad} is not supported")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{path}/config.json: hidden_act={hf['hidden_act']} is not supported (silu)")
+        raise ConfigError(f"{path}/config.json: hidden_act={hf['hidden_act']} is not supported "
+                          "(silu)")
     fields = dict(
         family=spec.family, name=path.name, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         vocab_size=hf["vocab_size"], ffn_dim=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_scaling=_rope_scaling_from_hf(rope, path), max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_scaling=_rope_scaling_from_hf(rope, path),
+        max_seq_len=hf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings")),
     )
     return model_config(fields | _family_fields(spec, hf, path))
 
 
 def _family_fields(spec, hf: dict, path: Path) -> dict:
-    """The family's own fields (overriding the shared ones it reads otherwise, e.g. an MoE's expert width)."""
+    """The family's own fields (overriding the shared ones it reads otherwise, e.g. an MoE's expert
+    width)."""
     try:
         return spec.hf.config_fields(hf)
     except KeyError as e:
-        raise ConfigError(f"{path}/config.json lacks {e.args[0]}: not a {spec.family} config") from None
+        raise ConfigError(f"{path}/config.json lacks {e.args[0]}: not a {spec.family} "
+                          "config") from None
     except ConfigError as e:
         raise ConfigError(f"{path}/{e}") from None
 
 
-# Our RopeScaling fields -> Hugging Face's rope_parameters keys, per rope type (without a default: required).
+# Our RopeScaling fields -> Hugging Face's rope_parameters
+# keys, per rope type (without a default: required).
 ROPE_KEYS = {
-    "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+    "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor",
+               "high_freq_factor": "high_freq_factor",
                "original_max_seq_len": "original_max_position_embeddings"},
-    "yarn": {"factor": "factor", "original_max_seq_len": "original_max_position_embeddings", "beta_fast": "beta_fast",
-             "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"},
+    "yarn": {"factor": "factor", "original_max_seq_len": "original_max_position_embeddings",
+             "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
+             "mscale_all_dim": "mscale_all_dim"},
 }
 # What a missing or null YaRN key means to transformers.
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
@@ -103,10 +115,11 @@ def _rope_scaling_from_hf(rope: dict, path: Path) -> RopeScaling | None:
     if kind == "default":
         return None
     if kind not in ROPE_KEYS:
-        raise ConfigError(f"{path}/config.json: rope type {kind} is not supported (default, {', '.join(ROPE_KEYS)})")
+        raise ConfigError(f"{path}/config.json: rope type {kind} is not supported (default, "
+                          f"{', '.join(ROPE_KEYS)})")
     if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
-        raise ConfigError(f"{path}/config.json: rope type {kind} with attention_factor or truncate=false is not "
-                          f"supported")
+        raise ConfigError(f"{path}/config.json: rope type {kind} with attention_factor or "
+                          "truncate=false is not supported")
     fields = {}
     for ours, theirs in ROPE_KEYS[kind].items():
         value = rope.get(theirs)
@@ -136,8 +149,9 @@ def hf_config(cfg: ModelConfig):
     """A transformers config object for our model config."""
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
         rope_parameters=_rope_parameters(cfg), hidden_act="silu",
     )
     return hf_mapping(cfg).config(cfg, common)
@@ -155,7 +169,8 @@ def read_hf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
-            raise ConfigError(f"{path} has no tensor {name}: not a {cfg.family} checkpoint of this shape")
+            raise ConfigError(f"{path} has no tensor {name}: not a {cfg.family} checkpoint of this "
+                              "shape")
         return tensors[name]
 
     weights = {ours: take(hf) if isinstance(hf, str) else torch.stack([take(name) for name in hf])
@@ -176,7 +191,8 @@ def hf_tensors(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     index in our stacked tensor, or None)."""
     entries = []
     for ours, hf in hf_sources(cfg).items():
-        entries += [(hf, ours, None)] if isinstance(hf, str) else [(name, ours, e) for e, name in enumerate(hf)]
+        entries += ([(hf, ours, None)] if isinstance(hf, str)
+                    else [(name, ours, e) for e, name in enumerate(hf)])
     return sorted(entries, key=lambda entry: _layer_order(entry[0]))
 
 
@@ -189,7 +205,8 @@ def _layer_order(hf_name: str) -> tuple[int, str]:
 
 
 def write_hf_config(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> None:
-    """config.json for our model config, stating the weights' dtype, readable by transformers 4 and 5."""
+    """config.json for our model config, stating the weights' dtype, readable by transformers 4 and
+    5."""
     config = hf_config(cfg)
     config.architectures = [hf_mapping(cfg).architecture]
     config.save_pretrained(out)
@@ -199,6 +216,7 @@ def write_hf_config(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> None:
     # rope_theta, rope_scaling and torch_dtype: write both forms, the same values.
     rope = _rope_parameters(cfg)
     written["rope_theta"] = cfg.rope_theta
-    written["rope_scaling"] = None if cfg.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"}
+    written["rope_scaling"] = (None if cfg.rope_scaling is None
+                               else {k: v for k, v in rope.items() if k != "rope_theta"})
     written["dtype"] = written["torch_dtype"] = str(dtype).removeprefix("torch.")
     path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")

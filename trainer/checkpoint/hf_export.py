@@ -54,7 +54,8 @@ def export_hf(checkpoint: Path, cfg: ModelConfig, out: Path, dtype: torch.dtype 
     write_hf_config(cfg, out, dtype)
     weight_map, held_name, held = {}, None, None
     for number, shard in enumerate(shards, 1):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        file = ("model.safetensors" if len(shards) == 1
+                else f"model-{number:05d}-of-{len(shards):05d}.safetensors")
         with open(out / file, "wb") as f:
             f.write(encode_header([(hf_name, dtype, shape) for hf_name, _, _, shape in shard]))
             for hf_name, ours, expert, _ in shard:

@@ -29,10 +29,12 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
 
     def read(hf_name: str, expected: list[int], box: tuple[slice, ...]) -> torch.Tensor:
         if hf_name not in files:
-            raise ConfigError(f"{path} has no tensor {hf_name}: not a {cfg.family} checkpoint of this shape")
+            raise ConfigError(f"{path} has no tensor {hf_name}: not a {cfg.family} checkpoint of "
+                              "this shape")
         file = files[hf_name]
         if (shape := file.shape(hf_name)) != expected:
-            raise ConfigError(f"{file.path}: {hf_name} has shape {shape}, the model needs {expected}")
+            raise ConfigError(f"{file.path}: {hf_name} has shape {shape}, the model needs "
+                              f"{expected}")
         return file.read(hf_name, box)
 
     for part in parts:
@@ -75,7 +77,8 @@ def _local_box(param: torch.Tensor) -> tuple[slice, ...] | None:
 
 
 def _tensor_files(path: Path) -> dict[str, SafetensorsFile]:
-    """Hugging Face tensor name -> the file in `path` that holds it (headers read, sizes checked)."""
+    """Hugging Face tensor name -> the file in `path` that holds it (headers read, sizes
+    checked)."""
     files = {}
     for file in sorted(path.glob("*.safetensors")):
         opened = SafetensorsFile(file)

@@ -30,7 +30,8 @@ def encode_header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> bytes:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape in tensors:
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the tensors' bytes start 8-byte aligned
@@ -38,7 +39,8 @@ def encode_header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> bytes:
 
 
 class SafetensorsFile:
-    """The header of a safetensors file, checked against the file's size, and reads of its tensors."""
+    """The header of a safetensors file, checked against the file's size, and reads of its
+    tensors."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -47,7 +49,8 @@ class SafetensorsFile:
             head = f.read(8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
             if 8 + length > size:
-                raise ConfigError(f"{path} is not a safetensors file, or is truncated (its header runs past its end)")
+                raise ConfigError(f"{path} is not a safetensors file, or is truncated (its header "
+                                  "runs past its end)")
             try:
                 header = json.loads(f.read(length))
             except ValueError as e:
@@ -57,9 +60,11 @@ class SafetensorsFile:
         for name, entry in header.items():
             end = self.start + entry["data_offsets"][1]
             if entry["dtype"] not in DTYPES:
-                raise ConfigError(f"{path}: {name} has dtype {entry['dtype']}, which is not supported")
+                raise ConfigError(f"{path}: {name} has dtype {entry['dtype']}, which is not "
+                                  "supported")
             if end > size:
-                raise ConfigError(f"{path} is truncated: {name} ends at byte {end}, the file has {size}")
+                raise ConfigError(f"{path} is truncated: {name} ends at byte {end}, the file has "
+                                  f"{size}")
 
     def shape(self, name: str) -> list[int]:
         return list(self.tensors[name]["shape"])
@@ -74,14 +79,16 @@ class SafetensorsFile:
         out = torch.empty([s.stop - s.start for s in box], dtype=dtype)
         with open(self.path, "rb") as f:
             if whole_rows:  # one contiguous byte range, read straight into the result
-                self._read_into(f, name, entry, rows.start * row_bytes, out.view(-1).view(torch.uint8))
+                self._read_into(f, name, entry, rows.start * row_bytes,
+                                out.view(-1).view(torch.uint8))
                 return out
             step = max(1, CHUNK_BYTES // max(row_bytes, 1))
             for first in range(rows.start, rows.stop, step):
                 last = min(first + step, rows.stop)
                 chunk = torch.empty((last - first) * row_bytes, dtype=torch.uint8)
                 self._read_into(f, name, entry, first * row_bytes, chunk)
-                out[first - rows.start:last - rows.start] = chunk.view(dtype).view(-1, *shape[1:])[(slice(None), *rest)]
+                block = chunk.view(dtype).view(-1, *shape[1:])
+                out[first - rows.start:last - rows.start] = block[(slice(None), *rest)]
         return out
 
     def _read_into(self, f, name: str, entry: dict, offset: int, buffer: torch.Tensor) -> None:

@@ -86,21 +86,26 @@ class Checkpointer:
     first save and reused (pinned on CUDA); the write, the CRC32 pass and the manifest, and the
     removal of old checkpoints happen on a background thread, over a gloo group of their own."""
 
-    def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool, model_config: dict,
-                 device: torch.device, tokenizer: str = "bytes"):
-        self.folder, self.interval, self.keep_last, self.async_save = folder, interval, keep_last, async_save
-        self.model_config, self.tokenizer = model_config, tokenizer  # (data.tokenizer: its files go in each save)
+    def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool,
+                 model_config: dict, device: torch.device, tokenizer: str = "bytes"):
+        self.folder, self.interval = folder, interval
+        self.keep_last, self.async_save = keep_last, async_save
+        # (data.tokenizer: its files go in each save)
+        self.model_config, self.tokenizer = model_config, tokenizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = self.stager = self.background = None
         if async_save:
             # Async saves run their collectives on a group of their own, apart from training's.
             self.group = gloo_group()
             cuda = device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=False, use_non_blocking_copy=cuda))
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
+                                                       use_shared_memory=False,
+                                                       use_async_staging=False,
+                                                       use_non_blocking_copy=cuda))
             self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.pending: tuple[int, Future] | None = None
-        self.before_publish = lambda step: None  # told when this rank's shards of `step` are written
+        # told when this rank's shards of `step` are written
+        self.before_publish = lambda step: None
         self.started = self.blocked = 0.0  # when the last save began; how long it held up training
         if self.rank == 0:
             for stale in folder.glob("step_*.tmp"):  # a save that never finished
@@ -108,8 +113,8 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
 
     def after_step(self, step: int, last_step: int, state_fn, stop: bool = False) -> None:
-        """Collective, after each optimizer step: saves when due, or at once when the job stops (`stop`),
-        with state_fn()'s state."""
+        """Collective, after each optimizer step: saves when due, or at once when the job stops
+        (`stop`), with state_fn()'s state."""
         if self.pending is not None and self.pending[1].done():
             self.wait()  # raises here what failed in the background
         if stop or step == last_step or step % self.interval == 0:
@@ -121,7 +126,8 @@ class Checkpointer:
 
     def save(self, step: int, state: dict, wait: bool = False) -> None:
         """Collective. A save that fails on any rank (a full disk, a write error) stops training on
-        every rank, its unfinished folder removed: the newest complete checkpoint stays the newest."""
+        every rank, its unfinished folder removed: the newest complete checkpoint stays the
+        newest."""
         self.wait()
         try:
             self._save(step, state, wait)
@@ -140,7 +146,8 @@ class Checkpointer:
         on_rank_0(start_folder, tmp, self.rank, self.world)
         if self.async_save and not wait:
             # Copies the state to the host buffers; the rest goes on in the background.
-            written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager)
+            written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
+                                     async_stager=self.stager)
             self.blocked = time.perf_counter() - self.started
             self.pending = (step, self.background.submit(self._publish_when_written, step, written))
         else:
@@ -173,17 +180,21 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(self._paths(step)[0], ignore_errors=True)
         saved = checkpoint_steps(self.folder)
-        kept = f"the newest checkpoint is still {saved[-1][1]}" if saved else "no checkpoint was saved before it"
+        kept = (f"the newest checkpoint is still {saved[-1][1]}" if saved
+                else "no checkpoint was saved before it")
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return TrainingStopped(f"step {step}: checkpoint not saved ({cause}; {free:.1f} MiB free on its disk); {kept}")
+        return TrainingStopped(f"step {step}: checkpoint not saved ({cause}; {free:.1f} MiB free "
+                               f"on its disk); {kept}")
 
     def _publish(self, step: int, group=None) -> None:
         tmp, final = self._paths(step)
         publish(tmp, final, step, self.rank, self.world, group)
         if self.rank == 0:
             took = time.perf_counter() - self.started
-            blocked = f"training held up {self.blocked:.2f}s" if self.blocked is not None else "synchronous"
-            print(f"checkpoint: saved step {step} to {final} in {took:.2f}s ({blocked})", flush=True)
+            blocked = (f"training held up {self.blocked:.2f}s" if self.blocked is not None
+                       else "synchronous")
+            print(f"checkpoint: saved step {step} to {final} in {took:.2f}s ({blocked})",
+                  flush=True)
             if self.keep_last > 0:
                 for _, old in checkpoint_steps(self.folder)[: -self.keep_last]:
                     shutil.rmtree(old, ignore_errors=True)

@@ -25,7 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.checkpoint.folders import MODEL_CONFIG, CheckpointError, SafeReader, publish, rank_world, verify
+from trainer.checkpoint.folders import (
+    MODEL_CONFIG,
+    CheckpointError,
+    SafeReader,
+    publish,
+    rank_world,
+    verify,
+)
 from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
@@ -73,15 +80,18 @@ class TrainState:
         return state
 
     def load(self, path: Path) -> tuple[int, int, int]:
-        """Loads everything from checkpoint `path`; returns (step, data position, the world size that saved it)."""
+        """Loads everything from checkpoint `path`; returns (step, data position, the world size
+        that saved it)."""
         live_model, model = self.model_state()
         live_optim, optim = self.optimizer_state()
-        trainer = {"step": torch.tensor(0), "data_position": torch.tensor(0), "world_size": torch.tensor(0)}
+        trainer = {"step": torch.tensor(0), "data_position": torch.tensor(0),
+                   "world_size": torch.tensor(0)}
         reader = SafeReader(path)
         keys = reader.read_metadata().state_dict_metadata
         if not any(k.startswith("optimizer.") for k in keys):
-            raise CheckpointError(f"checkpoint.resume={path} holds weights only (a seed or converted "
-                                  f"checkpoint); start from it with checkpoint.initial={path}")
+            raise CheckpointError(f"checkpoint.resume={path} holds weights only (a seed or "
+                                  "converted checkpoint); start from it with "
+                                  f"checkpoint.initial={path}")
         _dcp_load({"model": model, "optimizer": optim, "trainer": trainer}, path)
         set_model_state_dict(self.model, live_model)
         set_optimizer_state_dict(self.model, self.optimizer, live_optim, options=_FLAT)
@@ -94,8 +104,8 @@ class TrainState:
         return int(trainer["step"]), int(trainer["data_position"]), int(trainer["world_size"])
 
     def load_weights(self, path: Path) -> None:
-        """The weights of checkpoint `path`; a buffer it lacks (the MoE bias of aux-loss-free balancing,
-        switched on for a model converted without one) keeps its initial value."""
+        """The weights of checkpoint `path`; a buffer it lacks (the MoE bias of aux-loss-free
+        balancing, switched on for a model converted without one) keeps its initial value."""
         live, model = self.model_state()
         saved = SafeReader(path).read_metadata().state_dict_metadata
         buffers = {_whole_name(name, 0) for name, _ in self.model.named_buffers()}
@@ -122,9 +132,12 @@ def _set_rng_state(state: torch.Tensor) -> None:
 
 @contextmanager
 def quiet_single_process():
-    """DCP warns on every call made without a process group, which is how one-process tools use it."""
+    """DCP warns on every call made without a process group, which is how one-process tools use
+    it."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        warnings.filterwarnings("ignore",
+                                message="torch.distributed is (disabled, )?unavailable or "
+                                        "uninitialized")
         yield
 
 
@@ -134,11 +147,12 @@ def _dcp_load(state: dict, path: Path) -> None:
             dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
-    # DCP wraps each rank's failure (in a CheckpointException, a BaseException); its last line names the
-    # missing key or file.
+    # DCP wraps each rank's failure (in a CheckpointException, a BaseException); its last line names
+    # the missing key or file.
     except (Exception, dcp.CheckpointException) as e:
         first = str(e).strip().splitlines()
-        raise CheckpointError(f"cannot load checkpoint {path}: {first[-1] if first else type(e).__name__}") from None
+        raise CheckpointError(f"cannot load checkpoint {path}: "
+                              f"{first[-1] if first else type(e).__name__}") from None
 
 
 def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str = "path") -> None:
@@ -152,12 +166,14 @@ def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str 
         return
     problem = verify(path, *rank_world())
     if problem is not None:
-        raise CheckpointError(f"{key}={path} is neither a Hugging Face directory nor a usable checkpoint: {problem}")
+        raise CheckpointError(f"{key}={path} is neither a Hugging Face directory nor a usable "
+                              f"checkpoint: {problem}")
     check_same_shape(parts[0].config, saved_config(path), f"{key}={path}")
     TrainState(parts).load_weights(path)
 
 
-def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path, tokenizer: str | None = None) -> None:
+def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path,
+                 tokenizer: str | None = None) -> None:
     """Writes full weights as a weights-only checkpoint (a seed or converted one), from one process,
     with `tokenizer`'s files (data.tokenizer's form) when given."""
     if out.exists() and any(out.iterdir()):
@@ -181,18 +197,21 @@ def saved_config(path: Path) -> ModelConfig | None:
 
 
 def check_same_shape(ours: ModelConfig, saved: ModelConfig | None, what: str) -> None:
-    """A checkpoint loads only into the same architecture (the shape keys of both configs' families):
-    every difference is named at once, with the overrides that would make this model match it."""
+    """A checkpoint loads only into the same architecture (the shape keys of both configs'
+    families): every difference is named at once, with the overrides that would make this model
+    match it."""
     if saved is None:
         return
     differ = []
     for name in dict.fromkeys(shape_keys(saved) + shape_keys(ours)):
         a, b = getattr(saved, name, None), getattr(ours, name, None)
-        if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * abs(b)):
+        if a != b and not (isinstance(a, float) and isinstance(b, float)
+                           and abs(a - b) <= 1e-9 * abs(b)):
             differ.append((name, a, b))
     if differ:
         said = ", ".join(f"model.{name}={a} (this model: {b})" for name, a, b in differ)
         overrides = " ".join(f"model.{name}={'null' if a is None else a}" for name, a, _ in differ)
-        raise CheckpointError(f"{what} holds a model of another shape: {said}; to train it, add {overrides}")
+        raise CheckpointError(f"{what} holds a model of another shape: {said}; to train it, add "
+                              f"{overrides}")
 
 

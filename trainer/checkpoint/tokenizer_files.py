@@ -33,14 +33,15 @@ def copy_tokenizer(spec: str, folder: Path) -> None:
 
 
 def held_tokenizer(folder: Path) -> str | None:
-    """The tokenizer a checkpoint or Hugging Face folder holds (its path, as data.tokenizer takes it)."""
+    """The tokenizer a checkpoint or Hugging Face folder holds (its path, as data.tokenizer takes
+    it)."""
     return str(folder) if (folder / TOKENIZER).is_file() else None
 
 
 def resolve_tokenizer(spec: str, source: str, initial: str | None) -> str:
-    """data.tokenizer with `auto` resolved: the tokenizer held beside checkpoint.initial's weights (a
-    Hugging Face folder's, or the one a checkpoint of ours kept), else bytes; the embedded text is
-    always bytes."""
+    """data.tokenizer with `auto` resolved: the tokenizer held beside checkpoint.initial's weights
+    (a Hugging Face folder's, or the one a checkpoint of ours kept), else bytes; the embedded text
+    is always bytes."""
     if spec != "auto":
         return spec
     held = held_tokenizer(Path(initial)) if initial is not None and source != "embedded" else None
@@ -58,7 +59,8 @@ def special_ids(spec: str) -> dict[str, int | None]:
 
 def export_tokenizer(spec: str, out: Path) -> list[str]:
     """Writes tokenizer `spec` into Hugging Face folder `out` for AutoTokenizer: its files, with a
-    tokenizer_config.json naming the special tokens training used. The names of the files written."""
+    tokenizer_config.json naming the special tokens training used. The names of the files
+    written."""
     files = tokenizer_files(spec)
     for name, source in files.items():
         shutil.copyfile(source, out / name)
@@ -74,10 +76,12 @@ def export_tokenizer(spec: str, out: Path) -> list[str]:
 
 
 def write_special_ids(out: Path, ids: dict[str, int | None]) -> None:
-    """The special ids into `out`'s config.json, and generation_config.json (which generate reads)."""
+    """The special ids into `out`'s config.json, and generation_config.json (which generate
+    reads)."""
     path = out / "config.json"
     config = json.loads(path.read_text()) | ids
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {k: v for k, v in ids.items() if v is not None}
     if generation:
-        (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True)
+                                                    + "\n")

@@ -43,20 +43,21 @@ from trainer.tensors import DTYPES, param_dtype
 
 
 def check_config(job: JobConfig, world: int) -> ParallelDims:
-    """Every rule on the config alone (no device, data or process group needed): what each rank checks
-    first, and trainer-run before it starts any. Returns the layout."""
+    """Every rule on the config alone (no device, data or process group needed): what each rank
+    checks first, and trainer-run before it starts any. Returns the layout."""
     dims = check_job(job, world)
     check_checkpoint(job.checkpoint)
     check_data(job.data)
     if job.training.spike.action == "rollback" and not job.checkpoint.enabled:
-        raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a checkpoint to go back to)")
+        raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a "
+                          "checkpoint to go back to)")
     return dims
 
 
 def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     """Checks `job` for a world of `world` ranks; returns its layout, with what the config leaves to
-    derive (every `-1`, the accumulation steps) resolved. `job` is left as it is. `ranges=False` skips
-    the keys' ranges (the search checks them once for all its candidates)."""
+    derive (every `-1`, the accumulation steps) resolved. `job` is left as it is. `ranges=False`
+    skips the keys' ranges (the search checks them once for all its candidates)."""
     if ranges:
         check_ranges(job)
     check_model(job.model)
@@ -67,24 +68,29 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     dims = resolve_layout(group.parallel, job.model, group.training, world)
     if n_experts(job.model) and dims.tp_enabled and not job.parallel.sequence_parallel:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs "
-                          "parallel.sequence_parallel=true: each tp rank routes its own slice of the sequence")
+                          "parallel.sequence_parallel=true: each tp rank routes its own slice of "
+                          "the sequence")
     check_precision_and_compile(job.training, job.device)
     if job.training.float8.enabled and not job.training.float8.skip_unaligned:
         check_float8_layers(build_model(job.model, device="meta"), job.training.float8)
     schedule = job.parallel.pp_schedule
-    if job.training.activation_checkpoint == "selective" and dims.pp_enabled and schedule in ZERO_BUBBLE:
+    if (job.training.activation_checkpoint == "selective" and dims.pp_enabled
+        and schedule in ZERO_BUBBLE):
         # torch (2.13) frees what selective checkpointing saved at a block's first backward; these
         # schedules run it twice (input gradients, then the deferred weight gradients).
-        raise ConfigError(f"training.activation_checkpoint=selective cannot be combined with parallel.pp_schedule="
-                          f"{schedule}: its split backward recomputes each block twice; use full or none")
+        raise ConfigError("training.activation_checkpoint=selective cannot be combined with "
+                          f"parallel.pp_schedule={schedule}: its split backward recomputes each "
+                          "block twice; use full or none")
     for key in ("profile_step", "memory_snapshot_step"):
         step = getattr(job.metrics, key)
         if step is not None and not 1 <= step <= job.training.steps:
-            raise ConfigError(f"metrics.{key}={step} must be a step of the run, 1..training.steps={job.training.steps}")
+            raise ConfigError(f"metrics.{key}={step} must be a step of the run, "
+                              f"1..training.steps={job.training.steps}")
     on_cuda = job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available())
     if job.metrics.memory_snapshot_step is not None and not on_cuda:
-        raise ConfigError(f"metrics.memory_snapshot_step records the CUDA allocator: device={job.device} has none "
-                          f"(on the CPU, metrics.jsonl's mem_tensor_gib counts the live tensors)")
+        raise ConfigError("metrics.memory_snapshot_step records the CUDA allocator: "
+                          f"device={job.device} has none (on the CPU, metrics.jsonl's "
+                          "mem_tensor_gib counts the live tensors)")
     if job.metrics.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("metrics.tensorboard.enabled=true needs the tensorboard package: "
                           "pip install -e \".[tensorboard]\"")
@@ -95,34 +101,38 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
         raise ConfigError(f"validation.path={job.validation.path} cannot be combined with data.mix "
                           f"(each source's held-out windows are mixed for validation)")
     if job.validation.path is not None and job.data.source == "embedded":
-        raise ConfigError(f"validation.path={job.validation.path} needs files of your own in data.path "
-                          f"(it is read like data.path, with data.source and data.tokenizer)")
+        raise ConfigError(f"validation.path={job.validation.path} needs files of your own in "
+                          "data.path (it is read like data.path, with data.source and "
+                          "data.tokenizer)")
     return dims
 
 
-def check_fault_tolerance(ft: FaultToleranceConfig, parallel: ParallelConfig, training: TrainingConfig,
-                          model: ModelConfig) -> None:
+def check_fault_tolerance(ft: FaultToleranceConfig, parallel: ParallelConfig,
+                          training: TrainingConfig, model: ModelConfig) -> None:
     """The fault_tolerance keys against the layout and what replica groups cannot share."""
     groups = parallel.dp_replicate
     if groups < 2:
-        raise ConfigError(f"fault_tolerance.enabled=true needs parallel.dp_replicate >= 2 replica groups to replicate "
-                          f"over (each a job of its own); parallel.dp_replicate={groups}")
+        raise ConfigError("fault_tolerance.enabled=true needs parallel.dp_replicate >= 2 replica "
+                          "groups to replicate over (each a job of its own); "
+                          f"parallel.dp_replicate={groups}")
     if not 0 <= ft.replica_group < groups:
         raise ConfigError(f"fault_tolerance.replica_group={ft.replica_group} must be one of the "
                           f"parallel.dp_replicate={groups} groups: 0..{groups - 1}")
     if not 1 <= ft.min_replicas <= groups:
-        raise ConfigError(f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and the "
-                          f"parallel.dp_replicate={groups} groups")
+        raise ConfigError(f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and "
+                          f"the parallel.dp_replicate={groups} groups")
     if training.spike.threshold is not None and training.spike.action == "rollback":
-        raise ConfigError("training.spike.action=rollback cannot be combined with fault_tolerance.enabled=true: the "
-                          "replica groups hold different checkpoints and would roll back apart; use skip")
+        raise ConfigError("training.spike.action=rollback cannot be combined with "
+                          "fault_tolerance.enabled=true: the replica groups hold different "
+                          "checkpoints and would roll back apart; use skip")
     if isinstance(model, MoEConfig) and model.bias_update_speed > 0:
-        raise ConfigError(f"model.bias_update_speed={model.bias_update_speed} cannot be combined with "
-                          f"fault_tolerance.enabled=true: each replica group measures its own expert load, and their "
-                          f"biases would move apart; set model.bias_update_speed=0")
+        raise ConfigError(f"model.bias_update_speed={model.bias_update_speed} cannot be combined "
+                          "with fault_tolerance.enabled=true: each replica group measures its own "
+                          "expert load, and their biases would move apart; set "
+                          "model.bias_update_speed=0")
     if training.global_batch_size % groups:
-        raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be divisible by the "
-                          f"parallel.dp_replicate={groups} replica groups")
+        raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be "
+                          f"divisible by the parallel.dp_replicate={groups} replica groups")
 
 
 def check_model(model: ModelConfig) -> None:
@@ -132,30 +142,32 @@ def check_model(model: ModelConfig) -> None:
     if scaling is None:
         return
     if scaling.type not in ("llama3", "yarn"):
-        raise ConfigError(f"model.rope_scaling.type={scaling.type} is not supported; use llama3 or yarn, or "
-                          f"rope_scaling=null")
+        raise ConfigError(f"model.rope_scaling.type={scaling.type} is not supported; use llama3 or "
+                          "yarn, or rope_scaling=null")
     if scaling.type == "yarn" and not 0 < scaling.beta_slow <= scaling.beta_fast:
-        raise ConfigError(f"model.rope_scaling: beta_slow={scaling.beta_slow} must be > 0 and at most "
-                          f"beta_fast={scaling.beta_fast}")
+        raise ConfigError(f"model.rope_scaling: beta_slow={scaling.beta_slow} must be > 0 and at "
+                          f"most beta_fast={scaling.beta_fast}")
     if scaling.type == "llama3" and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
-        raise ConfigError(f"model.rope_scaling: low_freq_factor={scaling.low_freq_factor} must be > 0 and below "
-                          f"high_freq_factor={scaling.high_freq_factor}")
+        raise ConfigError(f"model.rope_scaling: low_freq_factor={scaling.low_freq_factor} must be "
+                          f"> 0 and below high_freq_factor={scaling.high_freq_factor}")
 
 
 def check_precision_and_compile(training: TrainingConfig, device: str) -> None:
-    """The dtypes and compile against the device the job will run on (`auto`: CUDA if there is one)."""
+    """The dtypes and compile against the device the job will run on (`auto`: CUDA if there is
+    one)."""
     mp = training.mixed_precision
     device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if mp.param_dtype == "float16":
-        raise ConfigError("training.mixed_precision.param_dtype=float16 needs loss scaling, which this trainer does "
-                          "not do (gradients underflow); use bfloat16")
+        raise ConfigError("training.mixed_precision.param_dtype=float16 needs loss scaling, which "
+                          "this trainer does not do (gradients underflow); use bfloat16")
     if mp.reduce_dtype == "float16":
-        raise ConfigError("training.mixed_precision.reduce_dtype=float16 overflows when gradients are summed over "
-                          "ranks; use float32 (or bfloat16 with bfloat16 parameters)")
+        raise ConfigError("training.mixed_precision.reduce_dtype=float16 overflows when gradients "
+                          "are summed over ranks; use float32 (or bfloat16 with bfloat16 "
+                          "parameters)")
     if DTYPES[mp.reduce_dtype] == torch.bfloat16 and param_dtype(mp, device) == torch.float32:
-        raise ConfigError(f"training.mixed_precision.reduce_dtype=bfloat16 is narrower than the float32 parameters "
-                          f"(param_dtype={mp.param_dtype} on {device}): gradients would lose precision in the sum; "
-                          f"use float32")
+        raise ConfigError("training.mixed_precision.reduce_dtype=bfloat16 is narrower than the "
+                          f"float32 parameters (param_dtype={mp.param_dtype} on {device}): "
+                          "gradients would lose precision in the sum; use float32")
     if training.compile and (missing := compile_missing(device)):
         raise ConfigError(f"training.compile=true cannot compile on {device} here: {missing}; "
                           f"use training.compile=false")
@@ -168,19 +180,23 @@ def compile_missing(device: str) -> str | None:
     if torch.device(device).type == "cuda":
         return None if importlib.util.find_spec("triton") else "the triton package is not installed"
     compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-    return None if any(c and shutil.which(c) for c in compilers) else "no C++ compiler (g++, clang++) on PATH"
+    return (None if any(c and shutil.which(c) for c in compilers)
+            else "no C++ compiler (g++, clang++) on PATH")
 
 
 def check_checkpoint(cfg: CheckpointConfig) -> None:
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_dir():
-        raise ConfigError(f"checkpoint.resume={cfg.resume} is not a directory; use auto, none or a checkpoint's path")
+        raise ConfigError(f"checkpoint.resume={cfg.resume} is not a directory; use auto, none or a "
+                          "checkpoint's path")
     if cfg.initial is not None:
         initial = Path(cfg.initial)
         if not initial.is_dir():
-            raise ConfigError(f"checkpoint.initial={initial} is not a directory (a checkpoint or a Hugging Face model)")
+            raise ConfigError(f"checkpoint.initial={initial} is not a directory (a checkpoint or a "
+                              "Hugging Face model)")
         if not (is_hf_dir(initial) or (initial / MANIFEST).is_file()):
-            raise ConfigError(f"checkpoint.initial={initial} is neither a Hugging Face model (config.json and "
-                              f"*.safetensors) nor a checkpoint of this trainer ({MANIFEST})")
+            raise ConfigError(f"checkpoint.initial={initial} is neither a Hugging Face model "
+                              "(config.json and *.safetensors) nor a checkpoint of this trainer "
+                              f"({MANIFEST})")
 
 
 def check_data(data: DataConfig) -> None:
@@ -193,7 +209,8 @@ def check_data(data: DataConfig) -> None:
                           f"give each source its path in data.mix")
     for i, source in enumerate(data.mix):
         if not source.weight > 0:
-            raise ConfigError(f"data.mix[{i}].weight={source.weight} must be > 0 (leave the source out instead)")
+            raise ConfigError(f"data.mix[{i}].weight={source.weight} must be > 0 (leave the source "
+                              "out instead)")
         try:
             _check_source(mix_source(data, source))
         except ConfigError as e:
@@ -204,14 +221,17 @@ def _check_source(data: DataConfig) -> None:
     if data.source not in SOURCES:
         raise ConfigError(f"data.source={data.source} is unknown; choose one of {list(SOURCES)}")
     if data.source == "embedded" and not is_bytes(data.tokenizer):
-        raise ConfigError(f"data.tokenizer={data.tokenizer} needs another data.source (the embedded text is bytes)")
+        raise ConfigError(f"data.tokenizer={data.tokenizer} needs another data.source (the "
+                          "embedded text is bytes)")
     what = {"binary": "a token file", "hub": "a Hugging Face dataset"}.get(data.source)
     if what and not data.path:
         raise ConfigError(f"data.path=None must name {what} for data.source={data.source}")
     if data.format not in FORMATS:
         raise ConfigError(f"data.format={data.format} is unknown; choose one of {list(FORMATS)}")
     if data.overlong not in OVERLONG:
-        raise ConfigError(f"data.overlong={data.overlong} is unknown; choose one of {list(OVERLONG)}")
+        raise ConfigError(f"data.overlong={data.overlong} is unknown; choose one of "
+                          f"{list(OVERLONG)}")
     if data.format != "text" and data.source not in ("json", "parquet", "hub"):
         given = "a token file" if data.source == "binary" else f"data.source={data.source}"
-        raise ConfigError(f"data.format={data.format} reads rows (data.source=json, parquet or hub), not {given}")
+        raise ConfigError(f"data.format={data.format} reads rows (data.source=json, parquet or "
+                          f"hub), not {given}")

@@ -19,32 +19,38 @@ from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED, min_microbatches, 
 def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig,
                    world_size: int) -> ParallelDims:
     """The layout of `parallel` on `world_size` ranks: `-1` degrees resolved, every degree rule
-    checked, and the accumulation steps derived (`dims.grad_accum_steps`: from `training.micro_batch_size`
-    when it is set, else `training.grad_accum_steps`)."""
-    degrees = {k: getattr(parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+    checked, and the accumulation steps derived (`dims.grad_accum_steps`: from
+    `training.micro_batch_size` when it is set, else `training.grad_accum_steps`)."""
+    degrees = {k: getattr(parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp",
+                                                 "ep")}
     for key, value in degrees.items():
-        if value == 0 or value < -1 or (value == -1 and key not in ("dp_replicate", "dp_shard", "ep")):
-            rule = "must be >= 1 or -1 (the rest)" if key in ("dp_replicate", "dp_shard", "ep") else "must be >= 1"
+        if value == 0 or value < -1 or (value == -1
+                                        and key not in ("dp_replicate", "dp_shard", "ep")):
+            rule = ("must be >= 1 or -1 (the rest)" if key in ("dp_replicate", "dp_shard", "ep")
+                    else "must be >= 1")
             raise ConfigError(f"parallel.{key}={value} {rule}")
     if degrees["dp_replicate"] == degrees["dp_shard"] == -1:
-        raise ConfigError("parallel.dp_replicate=-1 and parallel.dp_shard=-1: only one of them can take the rest")
+        raise ConfigError("parallel.dp_replicate=-1 and parallel.dp_shard=-1: only one of them can "
+                          "take the rest")
     _check_model_rules(degrees, parallel, model, training)
 
     for key in ("dp_replicate", "dp_shard"):
         if degrees[key] == -1:
             others = math.prod(v for k, v in degrees.items() if k not in (key, "ep"))
             if world_size % others:
-                names = "*".join(k for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if k != key)
-                raise ConfigError(f"parallel.{key}=-1 needs the world size {world_size} to be divisible by "
-                                  f"{names}={others}")
+                names = "*".join(k for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+                                 if k != key)
+                raise ConfigError(f"parallel.{key}=-1 needs the world size {world_size} to be "
+                                  f"divisible by {names}={others}")
             degrees[key] = world_size // others
     product = math.prod(degrees[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     if product != world_size:
         raise ConfigError(
-            f"parallel: pp*dp_replicate*dp_shard*cp*tp={product} must equal the world size {world_size} "
-            f"(pp={degrees['pp']}, dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']}, "
-            f"cp={degrees['cp']}, tp={degrees['tp']}); for a job whose world size can change (an elastic "
-            f"launch, a restart on fewer or more nodes), set parallel.dp_shard=-1 or parallel.dp_replicate=-1"
+            f"parallel: pp*dp_replicate*dp_shard*cp*tp={product} must equal the world size "
+            f"{world_size} (pp={degrees['pp']}, dp_replicate={degrees['dp_replicate']}, "
+            f"dp_shard={degrees['dp_shard']}, cp={degrees['cp']}, tp={degrees['tp']}); for a job "
+            "whose world size can change (an elastic launch, a restart on fewer or more nodes), "
+            "set parallel.dp_shard=-1 or parallel.dp_replicate=-1"
         )
     _resolve_ep(degrees, model)
 
@@ -57,52 +63,65 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: Train
     if training.global_batch_size % per_step:
         raise ConfigError(
             f"training.global_batch_size={training.global_batch_size} must be divisible by "
-            f"dp*grad_accum_steps={per_step} (dp={dims.dp}, grad_accum_steps={dims.grad_accum_steps})"
+            f"dp*grad_accum_steps={per_step} (dp={dims.dp}, "
+            f"grad_accum_steps={dims.grad_accum_steps})"
         )
     if dims.pp_enabled:
-        dims.pp_stages_per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
-        n_stages = dims.pp * dims.pp_stages_per_rank
-        dims.pp_microbatches = parallel.pp_microbatches or n_stages
-        batch = training.global_batch_size // per_step
-        if batch % dims.pp_microbatches:
-            raise ConfigError(
-                f"parallel.pp_microbatches={dims.pp_microbatches} must divide the batch each pipeline step runs, "
-                f"global_batch_size/(dp*grad_accum_steps)={batch}"
-            )
-        minimum = min_microbatches(parallel.pp_schedule, dims.pp, n_stages)
-        if dims.pp_microbatches < minimum:
-            raise ConfigError(
-                f"parallel.pp_microbatches={dims.pp_microbatches} must be >= {minimum} for "
-                f"parallel.pp_schedule={parallel.pp_schedule} with {n_stages} stages on parallel.pp={dims.pp} ranks"
-            )
+        _set_pipeline_microbatches(dims, parallel, training.global_batch_size // per_step)
     return dims
 
 
-def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig) -> None:
+def _set_pipeline_microbatches(dims: ParallelDims, parallel: ParallelConfig, batch: int) -> None:
+    """The pipeline's stages per rank and microbatches, checked against the schedule and `batch`,
+    the sequences each pipeline step runs."""
+    dims.pp_stages_per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
+    n_stages = dims.pp * dims.pp_stages_per_rank
+    dims.pp_microbatches = parallel.pp_microbatches or n_stages
+    if batch % dims.pp_microbatches:
+        raise ConfigError(
+            f"parallel.pp_microbatches={dims.pp_microbatches} must divide the batch each "
+            f"pipeline step runs, global_batch_size/(dp*grad_accum_steps)={batch}"
+        )
+    minimum = min_microbatches(parallel.pp_schedule, dims.pp, n_stages)
+    if dims.pp_microbatches < minimum:
+        raise ConfigError(
+            f"parallel.pp_microbatches={dims.pp_microbatches} must be >= {minimum} for "
+            f"parallel.pp_schedule={parallel.pp_schedule} with {n_stages} stages on "
+            f"parallel.pp={dims.pp} ranks"
+        )
+
+
+def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConfig,
+                       training: TrainingConfig) -> None:
     tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
     for key, width in family(model.family).tp_divides(model).items():
         if width % tp:
             raise ConfigError(f"parallel.tp={tp} must divide model.{key}={width}")
     if parallel.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} is unknown; choose one of {list(PP_SCHEDULES)}")
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} is unknown; choose one of "
+                          f"{list(PP_SCHEDULES)}")
     if pp > model.n_layers:
         raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
     if pp > 1:
         _check_pipeline_rules(pp, parallel, model)
     if cp > 1:
         if parallel.cp_method not in CP_METHODS:
-            raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of {list(CP_METHODS)}")
+            raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of "
+                              f"{list(CP_METHODS)}")
         # Each cp rank holds two chunks of the sequence (load balancing, see context_parallel.py).
         if training.seq_len % (2 * cp):
-            raise ConfigError(f"parallel.cp={cp} needs training.seq_len={training.seq_len} divisible by 2*cp={2 * cp}: "
-                              f"each cp rank holds two equal chunks of the sequence")
+            raise ConfigError(f"parallel.cp={cp} needs training.seq_len={training.seq_len} "
+                              f"divisible by 2*cp={2 * cp}: each cp rank holds two equal chunks of "
+                              "the sequence")
     if training.seq_len > model.max_seq_len:
-        raise ConfigError(f"training.seq_len={training.seq_len} must not exceed model.max_seq_len={model.max_seq_len} "
-                          f"(set training.seq_len; +smoke=cpu sets 128 for a CPU run)")
+        raise ConfigError(f"training.seq_len={training.seq_len} must not exceed "
+                          f"model.max_seq_len={model.max_seq_len} (set training.seq_len; "
+                          "+smoke=cpu sets 128 for a CPU run)")
     if tp > 1:
         if parallel.loss_parallel and model.vocab_size % tp:
             raise ConfigError(
-                f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} when parallel.loss_parallel=true"
+                f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} when "
+                "parallel.loss_parallel=true"
             )
         shards = tp * (2 * cp if cp > 1 else 1)
         if parallel.sequence_parallel and training.seq_len % shards:
@@ -112,8 +131,8 @@ def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConf
                 f"when parallel.sequence_parallel=true"
             )
         if model.tie_embeddings:
-            raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding and output "
-                              f"are split on different dimensions")
+            raise ConfigError(f"parallel.tp={tp} needs model.tie_embeddings=false: the embedding "
+                              "and output are split on different dimensions")
 
 
 def _grad_accum_steps(training: TrainingConfig, dp: int) -> int:
@@ -122,8 +141,9 @@ def _grad_accum_steps(training: TrainingConfig, dp: int) -> int:
     grad_accum_steps (a recipe's own included)."""
     micro = training.micro_batch_size
     if training.global_batch_size % (dp * micro):
-        raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be divisible by "
-                          f"dp*micro_batch_size={dp * micro} (dp={dp}, micro_batch_size={micro})")
+        raise ConfigError(f"training.global_batch_size={training.global_batch_size} must be "
+                          f"divisible by dp*micro_batch_size={dp * micro} (dp={dp}, "
+                          f"micro_batch_size={micro})")
     return training.global_batch_size // (dp * micro)
 
 
@@ -133,21 +153,25 @@ def _resolve_ep(degrees: dict, model: ModelConfig) -> None:
     if ep == -1:
         degrees["ep"] = ep = ranks if experts else 1
     if ep > 1 and not experts:
-        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model (model.n_experts > "
+                          "0)")
     if experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide model.n_experts={experts}")
     if ranks % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide the ranks it is taken from, dp_shard*cp={ranks} "
-                          f"(dp_shard={degrees['dp_shard']}, cp={degrees['cp']})")
+        raise ConfigError(f"parallel.ep={ep} must divide the ranks it is taken from, "
+                          f"dp_shard*cp={ranks} (dp_shard={degrees['dp_shard']}, "
+                          f"cp={degrees['cp']})")
 
 
 def _check_pipeline_rules(pp: int, parallel: ParallelConfig, model: ModelConfig) -> None:
     per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
     schedule = parallel.pp_schedule
     if schedule in SINGLE_STAGE and per_rank != 1:
-        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 1 for parallel.pp_schedule={schedule}")
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 1 for "
+                          f"parallel.pp_schedule={schedule}")
     if schedule in V_SHAPED and per_rank != 2:
-        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 2 for parallel.pp_schedule={schedule}")
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be 2 for "
+                          f"parallel.pp_schedule={schedule}")
     if per_rank < 1:
         raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} must be >= 1")
     n_stages = pp * per_rank
@@ -157,14 +181,15 @@ def _check_pipeline_rules(pp: int, parallel: ParallelConfig, model: ModelConfig)
             f"model.n_layers={model.n_layers}: every stage needs a layer"
         )
     if model.tie_embeddings:
-        raise ConfigError(f"parallel.pp={pp} needs model.tie_embeddings=false: the embedding and the output "
-                          f"head sit on different stages")
+        raise ConfigError(f"parallel.pp={pp} needs model.tie_embeddings=false: the embedding and "
+                          "the output head sit on different stages")
     if parallel.pp_stage_modules is not None:
         _check_stage_modules(parallel.pp_stage_modules, n_stages, model)
 
 
 def _check_stage_modules(stages: list[list[str]], n_stages: int, model: ModelConfig) -> None:
-    """An explicit split must name every module once, in model order, with a layer on every stage."""
+    """An explicit split must name every module once, in model order, with a layer on every
+    stage."""
     spec = family(model.family)
     expected = spec.pipeline_units(model.n_layers)
     given = [name for stage in stages for name in stage]
@@ -173,6 +198,6 @@ def _check_stage_modules(stages: list[list[str]], n_stages: int, model: ModelCon
     ):
         raise ConfigError(
             f"parallel.pp_stage_modules must be {n_stages} lists that together name {expected[0]}, "
-            f"{expected[1]} .. {expected[model.n_layers]}, {', '.join(expected[model.n_layers + 1:])} once each "
-            f"in that order, each with a layer"
+            f"{expected[1]} .. {expected[model.n_layers]}, "
+            f"{', '.join(expected[model.n_layers + 1:])} once each in that order, each with a layer"
         )

@@ -1,9 +1,9 @@
-"""The command line's overrides, checked before Hydra composes anything: a group choice that names no
-file, and a key the schema does not have (also when added with `+`, which Hydra would accept), each
-one `config error:` line with the choices or the nearest known keys (a model key the shared schema
-lacks is left to the model's family, once composed). `compose_job` composes the checked overrides
-into a JobConfig outside a Hydra app (the planner, trainer-run's check); `job_config` makes one of a
-composed config."""
+"""The command line's overrides, checked before Hydra composes anything: a group choice that names
+no file, and a key the schema does not have (also when added with `+`, which Hydra would accept),
+each one `config error:` line with the choices or the nearest known keys (a model key the shared
+schema lacks is left to the model's family, once composed). `compose_job` composes the checked
+overrides into a JobConfig outside a Hydra app (the planner, trainer-run's check); `job_config`
+makes one of a composed config."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import dataclasses
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.files import BROKEN_RECIPES, CONFIG_DIR, RECIPE_DIR, register_configs, yaml_error
+from trainer.config.files import (
+    BROKEN_RECIPES,
+    CONFIG_DIR,
+    RECIPE_DIR,
+    register_configs,
+    yaml_error,
+)
 from trainer.config.keys import group_keys, nearest_key, schema_keys, wanted
 from trainer.config.schema import JobConfig, ModelConfig, OptimConfig
 from trainer.errors import ConfigError
@@ -30,7 +36,8 @@ def renamed(argv: list[str]) -> tuple[list[str], list[str]]:
         sign = arg[:len(arg) - len(arg.lstrip("+~"))]
         key, eq, value = arg[len(sign):].partition("=")
         if key in RENAMED:
-            notices.append(f"config: {key} is now {RENAMED[key]}; the old spelling goes in the next release")
+            notices.append(f"config: {key} is now {RENAMED[key]}; the old spelling goes in the "
+                           "next release")
             arg = f"{sign}{RENAMED[key]}{eq}{value}"
         args.append(arg)
     return args, notices
@@ -80,10 +87,10 @@ def command_line() -> list[str]:
 
 
 def job_config(cfg: DictConfig) -> JobConfig:
-    """The composed config `cfg` as a JobConfig, its model section an instance of its family's config
-    class (trainer.models.model_config), its optim section of its optimizer's (trainer.optim.spec.optimizer_config); the
-    modules of `imports` are imported first, as a family or optimizer defined outside trainer/
-    registers there."""
+    """The composed config `cfg` as a JobConfig, its model section an instance of its family's
+    config class (trainer.models.model_config), its optim section of its optimizer's
+    (trainer.optim.spec.optimizer_config); the modules of `imports` are imported first, as a family
+    or optimizer defined outside trainer/ registers there."""
     from trainer.models import import_modules, model_config
     from trainer.optim.spec import optimizer_config
 
@@ -126,9 +133,9 @@ def _check_choice(group: str, name: str) -> None:
 
 
 def _check_key(key: str, keys: set[str]) -> None:
-    # A key inside a list of mappings (data.mix[0].weight) is checked up to its list. A model key the
-    # shared schema lacks is its family's to judge, an optim key its optimizer's, once the config is
-    # composed (job_config).
+    # A key inside a list of mappings (data.mix[0].weight) is checked up to its list. A model key
+    # the shared schema lacks is its family's to judge, an optim key its optimizer's, once the
+    # config is composed (job_config).
     if key.split("[")[0] in keys or key.startswith(("model.", "optim.")):
         return
     near = nearest_key(key, keys)

@@ -1,5 +1,5 @@
-"""The values a key can take at all, whatever else is set: one table, one `config error:` line naming
-the key, its value and the range."""
+"""The values a key can take at all, whatever else is set: one table, one `config error:` line
+naming the key, its value and the range."""
 
 from __future__ import annotations
 
@@ -31,13 +31,15 @@ def _one_of(choices) -> tuple:
 # key -> (what the rule says, the test); a null value (where the schema allows one) passes.
 RANGES = {
     **{f"model.{key}": ("must be >= 1", _at_least_one)
-       for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")},
+       for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+                   "max_seq_len")},
     "model.norm_eps": ("must be > 0", _positive),
     "model.rope_theta": ("must be > 0", _positive),
     "model.rope_scaling.factor": ("must be >= 1", _at_least_one),
     "model.rope_scaling.original_max_seq_len": ("must be >= 1", _at_least_one),
     "parallel.pp_microbatches": ("must be >= 1", _at_least_one),
-    **{f"training.{key}": ("must be >= 1", _at_least_one) for key in ("steps", "seq_len", "global_batch_size")},
+    **{f"training.{key}": ("must be >= 1", _at_least_one)
+       for key in ("steps", "seq_len", "global_batch_size")},
     "training.lr": ("must be >= 0", _not_negative),
     "training.loss_chunk_tokens": ("must be >= 1, or null (no chunks)", _at_least_one),
     "training.warmup_steps": ("must be >= 0", _not_negative),
@@ -54,10 +56,12 @@ RANGES = {
     "training.on_nonfinite": ("must be skip or stop", lambda value: value in ("skip", "stop")),
     "training.max_skipped_steps": ("must be >= 0 (0: no limit)", _not_negative),
     "training.spike.threshold": ("must be null (off) or > 0 standard deviations", _positive),
-    "training.spike.action": ("must be skip or rollback", lambda value: value in ("skip", "rollback")),
+    "training.spike.action": ("must be skip or "
+                              "rollback", lambda value: value in ("skip", "rollback")),
     "training.spike.decay": ("must be between 0 and 1", lambda value: 0 < value < 1),
     "training.spike.warmup_steps": ("must be >= 1", _at_least_one),
-    "device": ("is unknown; choose auto, cpu or cuda", lambda value: value in ("auto", "cpu", "cuda")),
+    "device": ("is unknown; choose auto, cpu or "
+               "cuda", lambda value: value in ("auto", "cpu", "cuda")),
     "optim.beta1": ("must be in [0, 1)", lambda value: 0 <= value < 1),
     "optim.beta2": ("must be in [0, 1)", lambda value: 0 <= value < 1),
     "optim.eps": ("must be > 0", _positive),
@@ -67,7 +71,8 @@ RANGES = {
     "metrics.log_every": ("must be >= 1", _at_least_one),
     "metrics.health_every": ("must be >= 1, or null (no straggler check)", _at_least_one),
     "metrics.slow_rank_window": ("must be >= 1 steps", _at_least_one),
-    "metrics.slow_rank_threshold": ("must be > 1 (a multiple of the median rank's step)", lambda value: value > 1),
+    "metrics.slow_rank_threshold": ("must be > 1 (a multiple of the median rank's step)",
+                                    lambda value: value > 1),
     "distributed.timeout_s": ("must be > 0 seconds", _positive),
     "distributed.step_timeout_s": ("must be null (no watchdog) or > 0 seconds", _positive),
     "fault_tolerance.timeout_s": ("must be > 0 seconds", _positive),

@@ -31,7 +31,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     schema = OmegaConf.structured(JobConfig)
     # The model and optim sections take keys beyond the shared ones: the family's or the optimizer's
-    # config class types and checks them once the config is composed (trainer.checks.overrides.job_config).
+    # config class types and checks them once the config
+    # is composed (trainer.checks.overrides.job_config).
     OmegaConf.set_struct(schema.model, False)
     OmegaConf.set_struct(schema.optim, False)
     cs.store(name="job_schema", node=schema)
@@ -45,7 +46,8 @@ def register_configs() -> None:
 
 
 def yaml_error(e: yaml.YAMLError) -> ConfigError:
-    """A config file that does not parse, named with the line and column where the parser stopped."""
+    """A config file that does not parse, named with the line and column where the parser
+    stopped."""
     mark = getattr(e, "problem_mark", None)
     if mark is None:
         return ConfigError(f"a config file does not parse: {e}")

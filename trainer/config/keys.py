@@ -15,7 +15,8 @@ WANTED = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 def group_keys(cls, key: str) -> list[str]:
     """The keys of the section `key` (dotted) of the dataclass `cls`; [] when it is a single key."""
     for name in key.split("."):
-        cls = _dataclass_of(typing.get_type_hints(cls).get(name.split("[")[0])) if cls is not None else None
+        cls = (_dataclass_of(typing.get_type_hints(cls).get(name.split("[")[0])) if cls is not None
+               else None)
     return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
 
 
@@ -28,8 +29,10 @@ def wanted(cls, key: str) -> str:
         hint = typing.get_type_hints(cls).get(name.split("[")[0])
         cls = _dataclass_of(hint)
     optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
-    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if optional else hint
-    words = WANTED.get(base) or ("a list" if typing.get_origin(base) is list else "of the schema's type")
+    base = (next((a for a in typing.get_args(hint) if a is not type(None)), hint) if optional
+            else hint)
+    words = WANTED.get(base) or ("a list" if typing.get_origin(base) is list
+                                 else "of the schema's type")
     return words + (" (or null)" if optional else "")
 
 
@@ -51,7 +54,8 @@ def _fields(cls, prefix: str) -> set[str]:
 
 
 def _dataclass_of(hint):
-    """The dataclass a field holds (itself, or inside Optional[...]), None for plain values and lists."""
+    """The dataclass a field holds (itself, or inside Optional[...]), None for plain values and
+    lists."""
     if dataclasses.is_dataclass(hint):
         return hint
     if typing.get_origin(hint) is typing.Union:

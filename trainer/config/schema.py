@@ -13,11 +13,11 @@ class RopeScaling:
 
     llama3 (Llama 3.1): rotary wavelengths longer than original_max_seq_len / low_freq_factor are
     stretched by `factor`, those shorter than original_max_seq_len / high_freq_factor are kept, and
-    the ones between are blended. yarn (DeepSeek-V3, Qwen3's long context): the frequencies that turn
-    fewer than beta_slow times over original_max_seq_len are divided by `factor`, those that turn more
-    than beta_fast times kept, a linear ramp between; cos and sin are scaled by an attention factor
-    from `factor`, `mscale` and `mscale_all_dim` (which a family's attention may also apply to its
-    softmax scale, as DeepSeek's does)."""
+    the ones between are blended. yarn (DeepSeek-V3, Qwen3's long context): the frequencies that
+    turn fewer than beta_slow times over original_max_seq_len are divided by `factor`, those that
+    turn more than beta_fast times kept, a linear ramp between; cos and sin are scaled by an
+    attention factor from `factor`, `mscale` and `mscale_all_dim` (which a family's attention may
+    also apply to its softmax scale, as DeepSeek's does)."""
 
     type: str = "llama3"  # llama3 | yarn
     factor: float = 8.0
@@ -64,7 +64,8 @@ def shape_keys(model: ModelConfig) -> list[str]:
 @dataclass
 class ParallelConfig:
     # true (parallel=auto): the degrees below, the pipeline schedule, the checkpointing mode and the
-    # accumulation are chosen at launch by the plan's search; those given on the command line are kept.
+    # accumulation are chosen at launch by the plan's
+    # search; those given on the command line are kept.
     auto: bool = False
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -97,11 +98,14 @@ class MixedPrecisionConfig:
 
 @dataclass
 class SpikeConfig:
-    # null: off. Else a loss above its running mean by this many running standard deviations is a spike.
+    # null: off. Else a loss above its running mean by
+    # this many running standard deviations is a spike.
     threshold: Optional[float] = None
-    action: str = "skip"  # skip: the step is skipped | rollback: back to the newest checkpoint, past the data
+    # skip: the step is skipped | rollback: back to the newest checkpoint, past the data
+    action: str = "skip"
     warmup_steps: int = 50  # steps whose losses only feed the running mean and variance
-    decay: float = 0.95  # of the running mean and variance, per step (about 1 / (1 - decay) steps of memory)
+    # of the running mean and variance, per step (about 1 / (1 - decay) steps of memory)
+    decay: float = 0.95
 
 
 @dataclass
@@ -110,11 +114,13 @@ class Float8Config:
 
     enabled: bool = False
     recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp (torchao's recipes)
-    emulate: bool = False  # float8 casts with high-precision matmuls (a GPU before sm_89, or checking numerics)
-    # Module names (fnmatch patterns) whose linear layers stay in high precision; the output head always does.
+    # float8 casts with high-precision matmuls (a GPU before sm_89, or checking numerics)
+    emulate: bool = False
+    # Module names (fnmatch patterns) whose linear layers
+    # stay in high precision; the output head always does.
     skip: List[str] = field(default_factory=lambda: ["*.router"])
-    # Layers with a dimension that is not a multiple of 16 stay in high precision (named at start-up);
-    # false: a config error names them.
+    # Layers with a dimension that is not a multiple of 16 stay in high precision (named at
+    # start-up); false: a config error names them.
     skip_unaligned: bool = True
 
 
@@ -124,8 +130,9 @@ class TrainingConfig:
     seq_len: int = 2048
     global_batch_size: int = 8
     grad_accum_steps: int = 1
-    # Sequences per data-parallel rank in one forward-backward; set, grad_accum_steps is derived from it and
-    # the global batch instead (more accumulation on fewer ranks: what an elastic job wants).
+    # Sequences per data-parallel rank in one forward-backward; set, grad_accum_steps is derived
+    # from it and the global batch instead (more accumulation
+    # on fewer ranks: what an elastic job wants).
     micro_batch_size: Optional[int] = None
     lr: float = 3e-4
     warmup_steps: int = 100
@@ -140,7 +147,8 @@ class TrainingConfig:
     # none | full | selective; under full, every Nth block is checkpointed (1: every block).
     activation_checkpoint: str = "none"
     activation_checkpoint_every: int = 1
-    # What selective keeps of a block's matmul outputs: half_mm (every second one) | ops (all of them).
+    # What selective keeps of a block's matmul outputs:
+    # half_mm (every second one) | ops (all of them).
     selective_policy: str = "half_mm"
     # The output head and the loss are computed this many tokens at a time, so that the logits of at
     # most one chunk exist (null: the plain loss on a microbatch's whole logits, for reference).
@@ -156,7 +164,8 @@ class OptimConfig:
     """The keys every optimizer shares; one with keys of its own subclasses this (optim=muon:
     trainer/optim/muon.py's MuonConfig), and its config class types the composed section."""
 
-    name: str = "adamw"  # a registered optimizer: adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
+    # a registered optimizer: adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
+    name: str = "adamw"
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -166,7 +175,8 @@ class OptimConfig:
 
 @dataclass
 class MixSource:
-    """One source of a weighted mixture: read like data.source/path/... (the tokenizer is data's)."""
+    """One source of a weighted mixture: read like data.source/path/... (the tokenizer is
+    data's)."""
 
     source: str = "text"
     path: Optional[str] = None
@@ -180,8 +190,8 @@ class MixSource:
 class DataConfig:
     source: str = "embedded"  # embedded | text | json | parquet | hub | binary
     path: Optional[str] = None  # a glob of files; a Hub dataset's name (hub); a token file (binary)
-    # auto: the tokenizer beside checkpoint.initial's weights, else bytes | bytes | a tokenizer.json or
-    # a directory holding one
+    # auto: the tokenizer beside checkpoint.initial's weights, else bytes | bytes | a tokenizer.json
+    # or a directory holding one
     tokenizer: str = "auto"
     text_field: str = "text"  # the column holding the text (json, parquet, hub)
     subset: Optional[str] = None  # a Hub dataset's configuration name
@@ -190,21 +200,25 @@ class DataConfig:
     # Where text/json/parquet sources are kept once tokenized; null: $TRAINER_CACHE/tokens, else
     # ~/.cache/trainer/tokens. Shared by the ranks (a shared filesystem: one rank tokenizes).
     cache_dir: Optional[str] = None
-    # A weighted mixture instead of data.source/path: [{source: text, path: 'web/*.txt', weight: 0.7}, ...]
+    # A weighted mixture instead of data.source/path:
+    # [{source: text, path: 'web/*.txt', weight: 0.7}, ...]
     mix: List[MixSource] = field(default_factory=list)
     # Undecodable bytes, malformed JSON lines, empty files and rows without data.text_field: counted
     # and passed over (false), or a config error at the first one (true).
     strict: bool = False
-    # text: documents, every token a target | chat: rows of messages through the chat template, the loss
-    # on the assistant's turns | completion: prompt/completion rows, the loss on the completion
+    # text: documents, every token a target | chat: rows of messages through the chat template, the
+    # loss on the assistant's turns | completion: prompt/completion rows, the loss on the completion
     format: str = "text"
     messages_field: str = "messages"  # chat: the column holding [{role, content}, ...]
     prompt_field: str = "prompt"  # completion
     completion_field: str = "completion"  # completion
-    chat_template: Optional[str] = None  # a Jinja file; null: the tokenizer's tokenizer_config.json chat_template
-    # chat/completion: conversations packed whole into windows (attention within each), or one a window
+    # a Jinja file; null: the tokenizer's tokenizer_config.json chat_template
+    chat_template: Optional[str] = None
+    # chat/completion: conversations packed whole into
+    # windows (attention within each), or one a window
     pack: bool = True
-    overlong: str = "truncate"  # chat/completion: a conversation longer than a window is truncated | dropped
+    # chat/completion: a conversation longer than a window is truncated | dropped
+    overlong: str = "truncate"
 
 
 @dataclass
@@ -217,7 +231,8 @@ class WandbConfig:
 
 @dataclass
 class TensorBoardConfig:
-    enabled: bool = False  # every figure of metrics.jsonl as scalars, under output_dir/tensorboard (rank 0)
+    # every figure of metrics.jsonl as scalars, under output_dir/tensorboard (rank 0)
+    enabled: bool = False
 
 
 @dataclass
@@ -227,14 +242,14 @@ class MetricsConfig:
     peak_tflops: Optional[Any] = None
     # A step to record with torch's profiler on every rank (output_dir/profile/); null: none.
     profile_step: Optional[int] = None
-    # A step whose CUDA allocator history to record (from the step before it) into output_dir/memory/,
-    # with the tensors live at its peak by origin; null: none. CUDA only.
+    # A step whose CUDA allocator history to record (from the step before it) into
+    # output_dir/memory/, with the tensors live at its peak by origin; null: none. CUDA only.
     memory_snapshot_step: Optional[int] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
-    # Straggler detection (trainer/observe/health.py): every `health_every` steps (null: never) the ranks'
-    # phase times over the last `slow_rank_window` steps are compared; a rank whose step would take
-    # more than `slow_rank_threshold` times the median rank's is named.
+    # Straggler detection (trainer/observe/health.py): every `health_every` steps (null: never) the
+    # ranks' phase times over the last `slow_rank_window` steps are compared; a rank whose step
+    # would take more than `slow_rank_threshold` times the median rank's is named.
     health_every: Optional[int] = 5
     slow_rank_window: int = 10
     slow_rank_threshold: float = 1.25
@@ -264,7 +279,8 @@ class CheckpointConfig:
     keep_last: int = 3  # 0 keeps every checkpoint
     resume: str = "auto"  # auto: the newest complete checkpoint in output_dir, if any | none | PATH
     async_save: bool = False  # training waits only while the state is copied to host memory
-    initial: Optional[str] = None  # weights to start from: a seed checkpoint, ours or a Hugging Face directory
+    # weights to start from: a seed checkpoint, ours or a Hugging Face directory
+    initial: Optional[str] = None
     # Resume output_dir's checkpoints although model, data, optimizer or batch settings changed.
     allow_config_change: bool = False
 
@@ -272,7 +288,8 @@ class CheckpointConfig:
 @dataclass
 class DistributedConfig:
     # Seconds a collective may wait before it fails (every process group, gloo and NCCL); also how
-    # long the watchdog allows the first step (compilation, warm-up), a checkpoint save or a validation.
+    # long the watchdog allows the first step (compilation,
+    # warm-up), a checkpoint save or a validation.
     timeout_s: int = 1800
     # Seconds any later step may take before the watchdog reports where each rank is and exits
     # non-zero (null: no watchdog).
@@ -311,5 +328,6 @@ class JobConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # Python modules every rank imports first: model families defined outside trainer/ register there.
+    # Python modules every rank imports first: model
+    # families defined outside trainer/ register there.
     imports: List[str] = field(default_factory=list)

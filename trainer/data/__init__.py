@@ -4,7 +4,8 @@ mixture of these, packed into windows; and each rank's share of each global batc
 
 The loader is indexed by step, not iterated: the batch of step s depends only on the seed, the
 global batch size and s, so every layout sees the same global batch and resuming is free. A rank
-holds no corpus: token files are read window by window and the epoch's order is computed index by index.
+holds no corpus: token files are read window by window and the epoch's order is computed index by
+index.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from trainer.errors import ConfigError
 
 SOURCES = ("embedded", "text", "json", "parquet", "hub", "binary")
 
-__all__ = ["STREAM_VAL_WINDOWS", "SOURCES", "VAL_FRACTION", "BatchLoader", "ByteTokenizer", "EmbeddedText",
-           "Mixture", "PackedTokens", "Prefetcher", "sentence", "build_dataset", "document_positions", "documents",
-           "mix_source"]
+__all__ = ["STREAM_VAL_WINDOWS", "SOURCES", "VAL_FRACTION", "BatchLoader", "ByteTokenizer",
+           "EmbeddedText", "Mixture", "PackedTokens", "Prefetcher", "sentence", "build_dataset",
+           "document_positions", "documents", "mix_source"]
 
 
 def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Dataset:
@@ -46,16 +47,17 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
             print(chat.describe(conversations, data), flush=True)
         tokenizer = build_tokenizer(data.tokenizer)
         pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        return chat_windows.ChatWindows(conversations, seq_len, data.pack, split, pad, tokenizer.vocab_size,
-                                        tokenizer.eos_id)
+        return chat_windows.ChatWindows(conversations, seq_len, data.pack, split, pad,
+                                        tokenizer.vocab_size, tokenizer.eos_id)
     if data.source in ("text", "json", "parquet"):
-        tokens, meta = cached_tokens(data.source, data.path, data.text_field, data.tokenizer, data.cache_dir,
-                                     data.strict)
+        tokens, meta = cached_tokens(data.source, data.path, data.text_field, data.tokenizer,
+                                     data.cache_dir, data.strict)
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     if data.source == "binary":
         tokens, meta = read_token_file(data.path, what)
         if not is_bytes(data.tokenizer):  # (bytes says nothing: the file's own tokenizer is used)
-            check_tokenizer(meta, build_tokenizer(data.tokenizer), what, "prepare it again with this tokenizer")
+            check_tokenizer(meta, build_tokenizer(data.tokenizer), what,
+                            "prepare it again with this tokenizer")
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     assert data.source == "hub", data.source  # (rules.py names the sources)
     return HubStream(data, seq_len, split)
@@ -69,14 +71,18 @@ def _conversations(data, seq_len: int) -> chat.Conversations:
     key = repr((data, seq_len))
     if key not in _READ:
         _READ.clear()
-        _READ[key] = chat_windows.cached_conversations(data, build_tokenizer(data.tokenizer), seq_len)
+        _READ[key] = chat_windows.cached_conversations(data, build_tokenizer(data.tokenizer),
+                                                       seq_len)
     return _READ[key]
 
 
 def mix_source(data, source):
-    """One of data.mix's sources as a DataConfig of its own: its keys, data's for the rest (the tokenizer)."""
-    return dataclasses.replace(data, mix=[], **{f.name: getattr(source, f.name) for f in dataclasses.fields(source)
-                                                if f.name != "weight"})
+    """One of data.mix's sources as a DataConfig of its own: its keys, data's for the rest (the
+    tokenizer)."""
+    return dataclasses.replace(data, mix=[],
+                               **{f.name: getattr(source, f.name)
+                                  for f in dataclasses.fields(source)
+                                  if f.name != "weight"})
 
 
 def _mixture(data, seq_len: int, seed: int, split: str) -> Mixture:

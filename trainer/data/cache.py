@@ -20,13 +20,15 @@ from trainer.data.readers import Problems, TokenFile, documents, read_token_file
 from trainer.data.tokenizer import build_tokenizer, encode_documents, is_bytes
 from trainer.errors import ConfigError
 
-CACHE_FORMAT = 2  # bumped when the tokens written for the same input would change (2: empty files skipped)
+# bumped when the tokens written for the same input would change (2: empty files skipped)
+CACHE_FORMAT = 2
 
 
 class TokenWriter:
     """Writes a token file: ids appended in order (uint16 when the vocabulary fits, else uint32)
     to a file aside; `finish` puts it and its description (OUT.json) in place by renames, so a
-    reader sees the whole file or none. Leaving the block without `finish` removes the partial file."""
+    reader sees the whole file or none. Leaving the block without `finish` removes the partial
+    file."""
 
     def __init__(self, out: Path, tokenizer):
         self.out, self.tokenizer, self.tokens = Path(out), tokenizer, 0
@@ -45,8 +47,9 @@ class TokenWriter:
     def finish(self, **description) -> dict:
         self.file.close()
         tok = self.tokenizer
-        meta = {"dtype": np.dtype(self.dtype).name, "tokens": self.tokens, "vocab_size": tok.vocab_size,
-                "eos_id": tok.eos_id, "bos_id": tok.bos_id, "tokenizer_hash": tok.fingerprint, **description}
+        meta = {"dtype": np.dtype(self.dtype).name, "tokens": self.tokens,
+                "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
+                "tokenizer_hash": tok.fingerprint, **description}
         meta_tmp = self.tmp.with_name(self.tmp.name + ".json")
         meta_tmp.write_text(json.dumps(meta, indent=1))
         os.replace(self.tmp, self.out)
@@ -78,13 +81,15 @@ def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec
     out = folder / f"{key}.bin"
 
     def tokenize() -> None:
-        print(f"data: tokenizing {len(files)} file(s) of data.path={path} once, into {out}", flush=True)
+        print(f"data: tokenizing {len(files)} file(s) of data.path={path} once, into {out}",
+              flush=True)
         _tokenize(out, tokenizer, source, path, text_field, tokenizer_spec, strict)
 
     made_once(Path(f"{out}.json"), folder / f"{key}.lock", tokenize)
     tokens, meta = read_token_file(out, f"the token cache {out} (of data.path={path})")
     check_tokenizer(meta, tokenizer, f"the token cache {out} (of data.path={path})", "delete it")
-    if meta.get("problems") and strict:  # cached by a lenient job: read again, to name the first problem
+    # cached by a lenient job: read again, to name the first problem
+    if meta.get("problems") and strict:
         for _ in documents(source, path, text_field, Problems(strict=True)):
             pass
     if os.environ.get("RANK", "0") == "0":
@@ -95,7 +100,8 @@ def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec
 
 def source_files(path: str | None, source: str) -> list:
     """[path, size, modification time] of each file data.path names: what a cache key is made of."""
-    return [[str(Path(p).resolve()), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in text_paths(path, source)]
+    return [[str(Path(p).resolve()), (st := os.stat(p)).st_size, st.st_mtime_ns]
+            for p in text_paths(path, source)]
 
 
 def cache_key(made_of: dict) -> str:
@@ -103,15 +109,17 @@ def cache_key(made_of: dict) -> str:
 
 
 def made_once(done: Path, lock_file: Path, make) -> None:
-    """Calls `make` unless `done` exists, in one process of those sharing the cache folder (the others
-    wait on the lock, then find `done`). `make` must write `done` last, whole (written aside, renamed)."""
+    """Calls `make` unless `done` exists, in one process of those sharing the cache folder (the
+    others wait on the lock, then find `done`). `make` must write `done` last, whole (written aside,
+    renamed)."""
     if done.is_file():
         return
     try:
         lock_file.parent.mkdir(parents=True, exist_ok=True)
         lock = open(lock_file, "w")
     except OSError as e:
-        raise ConfigError(f"data.cache_dir={lock_file.parent} cannot hold the token cache: {e}") from None
+        raise ConfigError(f"data.cache_dir={lock_file.parent} cannot hold the token cache: "
+                          f"{e}") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.is_file():
@@ -125,11 +133,12 @@ def _tokenize(out: Path, tokenizer, source: str, path: str, text_field: str, tok
         for ids in encode_documents(documents(source, path, text_field, problems), tokenizer):
             writer.write(ids)
         named = "bytes" if is_bytes(tokenizer_spec) else tokenizer_spec
-        writer.finish(tokenizer=named, source=source, path=path, text_field=text_field, problems=problems.lines())
+        writer.finish(tokenizer=named, source=source, path=path, text_field=text_field,
+                      problems=problems.lines())
 
 
 def check_tokenizer(meta: dict, tokenizer, what: str, remedy: str) -> None:
     """A config error when a token file was written with another tokenizer than `tokenizer`."""
     if meta.get("tokenizer_hash", tokenizer.fingerprint) != tokenizer.fingerprint:
-        raise ConfigError(f"{what} was tokenized with {meta.get('tokenizer')}, not with this data.tokenizer "
-                          f"(its ids would stand for other tokens): {remedy}")
+        raise ConfigError(f"{what} was tokenized with {meta.get('tokenizer')}, not with this "
+                          f"data.tokenizer (its ids would stand for other tokens): {remedy}")

@@ -1,12 +1,13 @@
-"""Conversations for fine-tuning: rows of `messages` (data.format=chat) rendered through the model's own
-chat template, or `prompt`/`completion` pairs (data.format=completion) joined as plain text; tokenized,
-with the tokens the loss covers marked, and packed into windows.
+"""Conversations for fine-tuning: rows of `messages` (data.format=chat) rendered through the model's
+own chat template, or `prompt`/`completion` pairs (data.format=completion) joined as plain text;
+tokenized, with the tokens the loss covers marked, and packed into windows.
 
 An assistant turn is found without reading any template's markup: turn i is what rendering the
 conversation up to and including it adds to rendering the turns before it with the generation prompt
-(the text a model is prompted with at inference), its trailing whitespace left out. So the loss covers
-each assistant turn's content and the end-of-turn text the template writes after it, in every turn of
-a conversation, and nothing else; a template with generation markers and one without give the same.
+(the text a model is prompted with at inference), its trailing whitespace left out. So the loss
+covers each assistant turn's content and the end-of-turn text the template writes after it, in every
+turn of a conversation, and nothing else; a template with generation markers and one without give
+the same.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ OVERLONG = ("truncate", "drop")
 
 def render(template: str, messages: list[dict], special: dict, generation_prompt: bool) -> str:
     """The template's text for `messages`, rendered as transformers renders chat templates (its
-    sandboxed Jinja environment, filters and globals): what a model is prompted with at inference."""
+    sandboxed Jinja environment, filters and globals): what a model is prompted with at
+    inference."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
@@ -38,10 +40,12 @@ def render(template: str, messages: list[dict], special: dict, generation_prompt
 def chat_template(tokenizer: str, template_file: str | None) -> tuple[str, dict]:
     """The template (data.chat_template's file, else the chat_template of the tokenizer's
     tokenizer_config.json) and the special tokens templates name (bos_token, eos_token, ...)."""
-    config_file = None if is_bytes(tokenizer) else (
-        Path(tokenizer if Path(tokenizer).is_dir() else Path(tokenizer).parent) / "tokenizer_config.json")
-    config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
-    special = {key: value.get("content") if isinstance(value, dict) else value for key, value in config.items()
+    folder = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
+    config_file = None if is_bytes(tokenizer) else folder / "tokenizer_config.json"
+    config = (json.loads(config_file.read_text()) if config_file is not None
+              and config_file.is_file() else {})
+    special = {key: value.get("content") if isinstance(value, dict) else value
+               for key, value in config.items()
                if key.endswith("_token") and isinstance(value, (str, dict))}
     if template_file is not None:
         if not Path(template_file).is_file():
@@ -89,7 +93,8 @@ class _Reading:
     counts: dict = field(default_factory=lambda: {"unsupervised": 0, "truncated": 0, "dropped": 0})
     example: str = ""
 
-    def add(self, ids: list[int], supervised: list[bool], seq_len: int, overlong: str, show) -> None:
+    def add(self, ids: list[int], supervised: list[bool], seq_len: int, overlong: str,
+            show) -> None:
         if not any(supervised):
             self.counts["unsupervised"] += 1
             return
@@ -106,11 +111,12 @@ class _Reading:
 
     def done(self) -> Conversations:
         offsets = np.concatenate([[0], np.cumsum([len(ids) for ids in self.ids])]).astype(np.int64)
-        return Conversations(np.concatenate(self.ids), np.concatenate(self.supervised), offsets, **self.counts,
-                             example=self.example)
+        return Conversations(np.concatenate(self.ids), np.concatenate(self.supervised), offsets,
+                             **self.counts, example=self.example)
 
 
-def marked_tokens(text: str, spans: list[tuple[int, int]], tokenizer) -> tuple[list[int], list[bool]]:
+def marked_tokens(text: str, spans: list[tuple[int, int]],
+                  tokenizer) -> tuple[list[int], list[bool]]:
     """The tokens of `text` and whether each starts inside one of the character spans."""
     if hasattr(tokenizer, "tokenizer"):  # a Hugging Face tokenizer: character offsets
         encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
@@ -123,7 +129,8 @@ def marked_tokens(text: str, spans: list[tuple[int, int]], tokenizer) -> tuple[l
     return ids, [any(a <= s < b for a, b in spans) for s in starts]
 
 
-def assistant_spans(messages: list[dict], template: str, special: dict, where: str) -> tuple[str, list]:
+def assistant_spans(messages: list[dict], template: str, special: dict,
+                    where: str) -> tuple[str, list]:
     """The conversation's text and the character spans of its assistant turns."""
     try:
         text = render(template, messages, special, generation_prompt=False)
@@ -134,25 +141,29 @@ def assistant_spans(messages: list[dict], template: str, special: dict, where: s
             before = render(template, messages[:i], special, generation_prompt=True)
             turn = render(template, messages[:i + 1], special, generation_prompt=False)
             if not turn.startswith(before) or not text.startswith(before):
-                raise ConfigError(f"data.chat_template: {where}: rendering turn {i} does not extend the text before "
-                                  f"it with the generation prompt, so the assistant's text cannot be found")
+                raise ConfigError(f"data.chat_template: {where}: rendering turn {i} does not "
+                                  "extend the text before it with the generation prompt, so the "
+                                  "assistant's text cannot be found")
             span = _turn_span(text, before, turn, message.get("content"))
             if span is None:
-                raise ConfigError(f"data.chat_template: {where}: the template yields no text for assistant "
-                                  f"turn {i}, or renders it in the whole conversation otherwise than last")
+                raise ConfigError(f"data.chat_template: {where}: the template yields no text for "
+                                  f"assistant turn {i}, or renders it in the whole conversation "
+                                  "otherwise than last")
             spans.append(span)
     except ConfigError:
         raise
-    except Exception as e:  # Jinja's errors (a role the template rejects, a template that does not render)
+    # Jinja's errors (a role the template rejects, a template that does not render)
+    except Exception as e:
         raise ConfigError(f"data.chat_template: {where}: {type(e).__name__}: {e}") from None
     return text, spans
 
 
 def _turn_span(text: str, before: str, turn: str, content) -> tuple[int, int] | None:
-    """Where an assistant turn lies in the whole conversation's `text`: from the end of `before` (the
-    text up to it, with the generation prompt) through what rendering it last (`turn`) adds, trailing
-    whitespace left out. A template may render a past turn otherwise (Qwen3's drops its reasoning
-    block): then through its content and the end-of-turn text written after the content."""
+    """Where an assistant turn lies in the whole conversation's `text`: from the end of `before`
+    (the text up to it, with the generation prompt) through what rendering it last (`turn`) adds,
+    trailing whitespace left out. A template may render a past turn otherwise (Qwen3's drops its
+    reasoning block): then through its content and the end-of-turn text written after the
+    content."""
     begin, said = len(before), turn[len(before):].rstrip()
     if said and text.startswith(said, begin):
         return begin, begin + len(said)
@@ -171,7 +182,8 @@ def conversation_rows(data, problems: Problems):
     if data.source == "hub":
         from trainer.data.hub import hub_rows
 
-        yield from ((row, f"{data.path} row {number}") for number, row in enumerate(hub_rows(data), 1))
+        yield from ((row, f"{data.path} row {number}")
+                    for number, row in enumerate(hub_rows(data), 1))
         return
     for path in text_paths(data.path, data.source):
         for number, row in enumerate(file_rows(data.source, path, problems), 1):
@@ -191,7 +203,8 @@ def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
             run.append(token)
             if i + 1 == len(ids) or supervised[i + 1] != learned:
                 hf = getattr(tokenizer, "tokenizer", None)  # (special tokens shown)
-                decoded = hf.decode(run, skip_special_tokens=False) if hf is not None else tokenizer.decode(run)
+                decoded = (hf.decode(run, skip_special_tokens=False) if hf is not None
+                           else tokenizer.decode(run))
                 pieces.append(decoded if learned else f"[[{decoded}]]")
                 run = []
         return "".join(pieces)
@@ -201,9 +214,10 @@ def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
         rows += 1
         if data.format == "chat":
             messages = row.get(data.messages_field)
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-                raise ConfigError(f"data.messages_field={data.messages_field}: {where} has no list of "
-                                  f"{{role, content}} messages under it")
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m
+                                                         for m in messages):
+                raise ConfigError(f"data.messages_field={data.messages_field}: {where} has no list "
+                                  "of {role, content} messages under it")
             check_messages(messages, where)
             text, spans = assistant_spans(messages, template, special, where)
             ids, supervised = marked_tokens(text, spans, tokenizer)
@@ -213,13 +227,16 @@ def read_conversations(data, tokenizer, seq_len: int) -> Conversations:
                 raise ConfigError(f"data.prompt_field={data.prompt_field}, data.completion_field="
                                   f"{data.completion_field}: {where} lacks one of them")
             bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-            head, tail = bos + tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eos_id]
+            head, tail = (bos + tokenizer.encode(prompt),
+                          tokenizer.encode(completion) + [tokenizer.eos_id])
             ids, supervised = head + tail, [False] * len(head) + [True] * len(tail)
         reading.add(ids, supervised, seq_len, data.overlong, show)
     if not reading.ids:
-        raise ConfigError(f"data.path={data.path}: {nothing_to_learn(rows, reading.counts, seq_len)}")
+        raise ConfigError(f"data.path={data.path}: "
+                          f"{nothing_to_learn(rows, reading.counts, seq_len)}")
     if all(s.all() for s in reading.supervised):
-        raise ConfigError(f"data.path={data.path}: every token is a target: the prompts are not masked out")
+        raise ConfigError(f"data.path={data.path}: every token is a target: the prompts are not "
+                          "masked out")
     return reading.done()
 
 
@@ -227,16 +244,18 @@ ROLES = ("system", "user", "assistant", "tool")  # as chat templates name them
 
 
 def check_messages(messages: list[dict], where: str) -> None:
-    """A role in another case than templates match (`Assistant`: its turn would not be learned), and a
-    message without text (content null would render as the word None), refused with the row named."""
+    """A role in another case than templates match (`Assistant`: its turn would not be learned), and
+    a message without text (content null would render as the word None), refused with the row
+    named."""
     for i, message in enumerate(messages):
         role, content = message["role"], message.get("content")
         if isinstance(role, str) and role != role.lower() and role.lower() in ROLES:
-            raise ConfigError(f"{where}: message {i} has role {role!r}: roles are matched as written, and chat "
-                              f"templates name them in lower case ({role.lower()!r})")
+            raise ConfigError(f"{where}: message {i} has role {role!r}: roles are matched as "
+                              "written, and chat templates name them in lower case "
+                              f"({role.lower()!r})")
         if content is None and not message.get("tool_calls"):
-            raise ConfigError(f"{where}: message {i} ({role}) has no content (null or missing): give it a text "
-                              f"(\"\" for none)")
+            raise ConfigError(f"{where}: message {i} ({role}) has no content (null or missing): "
+                              "give it a text (\"\" for none)")
 
 
 def nothing_to_learn(rows: int, counts: dict, seq_len: int) -> str:
@@ -244,17 +263,18 @@ def nothing_to_learn(rows: int, counts: dict, seq_len: int) -> str:
     if rows == 0:
         return "no conversation: the files hold no rows"
     if counts["dropped"]:
-        return (f"every conversation with an assistant turn ({counts['dropped']}) is longer than training.seq_len="
-                f"{seq_len} + 1 tokens and data.overlong=drop dropped it: raise training.seq_len, or set "
-                f"data.overlong=truncate")
-    return (f"none of its {rows} conversations has a token to learn: no message has the role 'assistant' "
-            f"(or the template renders none)")
+        return (f"every conversation with an assistant turn ({counts['dropped']}) is longer than "
+                f"training.seq_len={seq_len} + 1 tokens and data.overlong=drop dropped it: raise "
+                "training.seq_len, or set data.overlong=truncate")
+    return (f"none of its {rows} conversations has a token to learn: no message has the role "
+            "'assistant' (or the template renders none)")
 
 
 def describe(conversations: Conversations, data) -> str:
     """The start-up lines: what was read, what the loss covers, and an example."""
-    counted = [f"{n} {what}" for n, what in ((conversations.truncated, "truncated"), (conversations.dropped,
-               "dropped (data.overlong=drop)"), (conversations.unsupervised, "skipped, no assistant token"))
+    counted = [f"{n} {what}" for n, what in ((conversations.truncated, "truncated"),
+                                             (conversations.dropped,
+"dropped (data.overlong=drop)"), (conversations.unsupervised, "skipped, no assistant token"))
                if n]
     return (f"data: {len(conversations)} conversations (data.format={data.format}), "
             f"{100 * conversations.share():.1f}% of their tokens supervised"

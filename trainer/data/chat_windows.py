@@ -27,13 +27,15 @@ ARRAYS = ("ids", "supervised", "offsets")
 
 def cached_conversations(data, tokenizer, seq_len: int) -> Conversations:
     """read_conversations, once: kept in the token cache (data.cache_dir) under a name made of the
-    files, the format and its keys, the template and the tokenizer; made by one process of those that
-    share the cache while the others wait, and read by every job after."""
-    made_of = {"format": CACHE_FORMAT, "data": [data.source, data.format, data.messages_field, data.prompt_field,
-                                                data.completion_field, data.overlong, seq_len],
-               "template": chat_template(data.tokenizer, data.chat_template) if data.format == "chat" else None,
-               "tokenizer": tokenizer.fingerprint,
-               # A Hub dataset by name (its revision is not part of it: data.cache_dir elsewhere reads it anew).
+    files, the format and its keys, the template and the tokenizer; made by one process of those
+    that share the cache while the others wait, and read by every job after."""
+    made_of = {"format": CACHE_FORMAT,
+               "data": [data.source, data.format, data.messages_field, data.prompt_field,
+                        data.completion_field, data.overlong, seq_len],
+               "template": chat_template(data.tokenizer, data.chat_template)
+               if data.format == "chat" else None, "tokenizer": tokenizer.fingerprint,
+               # A Hub dataset by name (its revision is not part
+               # of it: data.cache_dir elsewhere reads it anew).
                "files": [data.path, data.subset, data.split] if data.source == "hub"
                else source_files(data.path, data.source)}
     key = cache_key(made_of)
@@ -41,13 +43,15 @@ def cached_conversations(data, tokenizer, seq_len: int) -> Conversations:
     out = folder / f"{key}.chat"
 
     def read_and_save() -> None:
-        print(f"data: reading the conversations of data.path={data.path} once, into {out}", flush=True)
+        print(f"data: reading the conversations of data.path={data.path} once, into {out}",
+              flush=True)
         conversations = read_conversations(data, tokenizer, seq_len)
         tmp = folder / f"{key}.chat.tmp{os.getpid()}"
         tmp.mkdir()
         for name in ARRAYS:
             np.save(tmp / f"{name}.npy", getattr(conversations, name))
-        counts = {name: getattr(conversations, name) for name in ("unsupervised", "truncated", "dropped", "example")}
+        counts = {name: getattr(conversations, name)
+                  for name in ("unsupervised", "truncated", "dropped", "example")}
         (tmp / "counts.json").write_text(json.dumps(counts))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
@@ -58,13 +62,13 @@ def cached_conversations(data, tokenizer, seq_len: int) -> Conversations:
 
 
 class ChatWindows(Dataset):
-    """Conversations in windows of seq_len + 1 tokens [2, seq_len + 1] (tokens, flags): packed whole in
-    their order, as many as fit (`pack`), or one a window; the rest of a window is padding, learned
-    from by nothing. Split "val" is the last VAL_FRACTION of the conversations (at least one), "train"
-    the others, "all" every one."""
+    """Conversations in windows of seq_len + 1 tokens [2, seq_len + 1] (tokens, flags): packed whole
+    in their order, as many as fit (`pack`), or one a window; the rest of a window is padding,
+    learned from by nothing. Split "val" is the last VAL_FRACTION of the conversations (at least
+    one), "train" the others, "all" every one."""
 
-    def __init__(self, conversations: Conversations, seq_len: int, pack: bool, split: str, pad_id: int,
-                 vocab_size: int, eos_id: int):
+    def __init__(self, conversations: Conversations, seq_len: int, pack: bool, split: str,
+                 pad_id: int, vocab_size: int, eos_id: int):
         self.conversations, self.seq_len, self.pad_id = conversations, seq_len, pad_id
         self.vocab_size, self.eos_id = vocab_size, eos_id
         count = len(conversations)
@@ -89,8 +93,8 @@ class ChatWindows(Dataset):
             raise IndexError(index)
         offsets = self.conversations.offsets[self.firsts[index]:self.firsts[index + 1] + 1]
         start, end = int(offsets[0]), int(offsets[-1])
-        # Filled through NumPy: the conversations are a read-only map of the cache, which torch.from_numpy
-        # warns of (once a process) though nothing writes to it.
+        # Filled through NumPy: the conversations are a read-only map of the cache, which
+        # torch.from_numpy warns of (once a process) though nothing writes to it.
         window = np.zeros((2, self.seq_len + 1), dtype=np.int64)
         window[0] = self.pad_id
         window[0, :end - start] = self.conversations.ids[start:end]

@@ -37,7 +37,8 @@ class HubStream(Dataset):
         self.data, self.seq_len, self.split, self.shard_of = data, seq_len, split, shard
         self.tokenizer = build_tokenizer(data.tokenizer)
         # Each rank meets the problems of its own shard (and every rank those of the validation
-        # windows): rank 0 says what it meets, so that a user reads each line once, not once per rank.
+        # windows): rank 0 says what it meets, so that a
+        # user reads each line once, not once per rank.
         self.problems = Problems(data.strict, live=os.environ.get("RANK", "0") == "0")
         self.vocab_size, self.eos_id = self.tokenizer.vocab_size, self.tokenizer.eos_id
         self.windows = None
@@ -54,7 +55,8 @@ class HubStream(Dataset):
         return HubStream(self.data, self.seq_len, self.split, (rank, world), self.held_out)
 
     def _open(self, whole: bool = False) -> Iterator[str]:
-        """The documents of the stream (of this rank's shard unless `whole`), held-out ones left out."""
+        """The documents of the stream (of this rank's shard unless `whole`), held-out ones left
+        out."""
         name, what = self.data.path, f"data.path={self.data.path}"
         rank, world = (0, 1) if whole else self.shard_of
         try:
@@ -62,7 +64,8 @@ class HubStream(Dataset):
             import datasets
             from datasets.distributed import split_dataset_by_node
 
-            rows = datasets.load_dataset(name, self.data.subset, split=self.data.split, streaming=True)
+            rows = datasets.load_dataset(name, self.data.subset, split=self.data.split,
+                                         streaming=True)
             if world > 1:
                 rows = split_dataset_by_node(rows, rank=rank, world_size=world)
             texts = row_texts(rows, self.data.text_field, what, self.problems)
@@ -74,10 +77,12 @@ class HubStream(Dataset):
         except StopIteration:
             whose = f" for data-parallel rank {rank} of {world}" if world > 1 else ""
             left = " once the validation windows' documents are held out" if self.held_out else ""
-            raise ConfigError(f"{what} (data.split={self.data.split}) holds no documents{whose}{left}") from None
+            raise ConfigError(f"{what} (data.split={self.data.split}) holds no "
+                              f"documents{whose}{left}") from None
         except Exception as e:  # the Hub's and datasets' many errors, one line for the user
             raise ConfigError(f"{what}: cannot stream the Hugging Face dataset {name} "
-                              f"(data.split={self.data.split}): {type(e).__name__}: {e}".splitlines()[0]) from None
+                              f"(data.split={self.data.split}): {type(e).__name__}: "
+                              f"{e}".splitlines()[0]) from None
         return itertools.chain([first], texts)
 
     def _validation(self) -> tuple[list[torch.Tensor], frozenset]:
@@ -91,8 +96,9 @@ class HubStream(Dataset):
             if have >= need:
                 break
         if have < need:
-            raise ConfigError(f"data.path={self.data.path} (data.split={self.data.split}) holds {have} tokens, "
-                              f"too few for {STREAM_VAL_WINDOWS} validation windows of training.seq_len={self.seq_len}")
+            raise ConfigError(f"data.path={self.data.path} (data.split={self.data.split}) holds "
+                              f"{have} tokens, too few for {STREAM_VAL_WINDOWS} validation windows "
+                              f"of training.seq_len={self.seq_len}")
         tokens = np.concatenate(groups)
         windows = [torch.from_numpy(tokens[i * self.seq_len : (i + 1) * self.seq_len + 1].copy())
                    for i in range(STREAM_VAL_WINDOWS)]
@@ -100,7 +106,8 @@ class HubStream(Dataset):
 
     def _restart(self) -> None:
         self._groups = encode_documents(self._open(), self.tokenizer)
-        self._buffer, self._start = np.zeros(0, dtype=np.int64), 0  # tokens from window self._start on
+        # tokens from window self._start on
+        self._buffer, self._start = np.zeros(0, dtype=np.int64), 0
 
     def _window(self, index: int) -> torch.Tensor:
         if index < self._start:
@@ -134,8 +141,9 @@ def hub_rows(data) -> Iterator[dict]:
     except ConfigError:
         raise
     except Exception as e:  # the Hub's and datasets' many errors, one line for the user
-        raise ConfigError(f"data.path={data.path}: cannot stream the Hugging Face dataset (data.split={data.split}): "
-                          f"{type(e).__name__}: {e}".splitlines()[0]) from None
+        raise ConfigError(f"data.path={data.path}: cannot stream the Hugging Face dataset "
+                          f"(data.split={data.split}): {type(e).__name__}: "
+                          f"{e}".splitlines()[0]) from None
 
 
 def _digest(text: str) -> bytes:
@@ -144,8 +152,10 @@ def _digest(text: str) -> bytes:
 
 def _check_hub_reachable(name: str) -> None:
     """Fails in seconds, not after datasets' minute of retries, when the Hub cannot be reached."""
-    if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
-        return  # a local dataset folder, or offline mode, where datasets answers from its cache at once
+    if (Path(name).exists() or os.environ.get("HF_HUB_OFFLINE")
+        or os.environ.get("HF_DATASETS_OFFLINE")):
+        # a local dataset folder, or offline mode, where datasets answers from its cache at once
+        return
     import huggingface_hub
 
     huggingface_hub.dataset_info(name, timeout=10)

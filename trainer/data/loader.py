@@ -26,7 +26,8 @@ class Prefetcher:
     background thread (which alone touches the data, so a stream is read in order)."""
 
     def __init__(self, fn):
-        self.fn, self._pool, self._next = fn, ThreadPoolExecutor(1, thread_name_prefix="prefetch"), None
+        self.fn, self._pool, self._next = (fn, ThreadPoolExecutor(1, thread_name_prefix="prefetch"),
+                                           None)
 
     def __call__(self, step: int):
         if self._next is None or self._next[0] != step:  # the first step, or one out of order
@@ -52,12 +53,13 @@ class BatchLoader:
     each rank reads G / dp windows a step from a shard of its own, so its batches depend on dp.
     """
 
-    def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int,
-                 pp_microbatches: int = 1):
+    def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int,
+                 seed: int, pp_microbatches: int = 1):
         # A stream read per rank (a Hub dataset) gives this rank its own shard, read in order.
         self.per_rank = getattr(dataset, "per_rank", False)
         self.stream = dataset.shard(dp_rank, dp_size) if self.per_rank else as_stream(dataset, seed)
-        self.global_batch, self.dp_rank, self.dp_size, self.grad_accum = global_batch, dp_rank, dp_size, grad_accum
+        self.global_batch, self.grad_accum = global_batch, grad_accum
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.blocks = grad_accum * pp_microbatches
         self.share = global_batch // self.blocks // dp_size  # sequences of one block on one rank
         self.micro_batch = global_batch // dp_size // grad_accum
@@ -70,13 +72,16 @@ class BatchLoader:
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
         """[(inputs, labels)] for `step` (0-based), each [micro_batch, seq_len]; for conversations
         [(inputs, labels, positions)]."""
-        if self.per_rank:  # positions in this rank's shard (resumed with another dp size: proportionally)
+        # positions in this rank's shard (resumed with another dp size: proportionally)
+        if self.per_rank:
             first = (self.offset + step * self.global_batch) // self.dp_size
-            positions = [first + block * self.share + i for block in range(self.blocks) for i in range(self.share)]
+            positions = [first + block * self.share + i for block in range(self.blocks)
+                         for i in range(self.share)]
         else:
             block_size = self.global_batch // self.blocks
             positions = [
-                self.offset + step * self.global_batch + block * block_size + self.dp_rank * self.share + i
+                self.offset + step * self.global_batch + block * block_size
+                + self.dp_rank * self.share + i
                 for block in range(self.blocks) for i in range(self.share)
             ]
         sequences = torch.stack(take(self.stream, positions))
@@ -86,8 +91,8 @@ class BatchLoader:
 
 
 def conversation_batch(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Windows [batch, 2, seq + 1] of tokens and flags -> (inputs, labels, positions) [batch, seq]: the
-    labels not learned are IGNORE_INDEX, and positions restart at each conversation."""
+    """Windows [batch, 2, seq + 1] of tokens and flags -> (inputs, labels, positions) [batch, seq]:
+    the labels not learned are IGNORE_INDEX, and positions restart at each conversation."""
     tokens, flags = windows[:, 0], windows[:, 1]
     labels = torch.where(flags[:, 1:] & SUPERVISED > 0, tokens[:, 1:], IGNORE_INDEX)
     index = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)

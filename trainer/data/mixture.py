@@ -30,8 +30,8 @@ class Mixture:
         self.phases = np.random.default_rng([seed % 2**64, 0x6D6978]).random(2 * len(datasets))
         eos = {d.eos_id for d in datasets}
         if len(eos) > 1:
-            raise ConfigError(f"data.mix: the sources end documents with different tokens {sorted(eos)} "
-                              f"(token files of other tokenizers?)")
+            raise ConfigError("data.mix: the sources end documents with different tokens "
+                              f"{sorted(eos)} (token files of other tokenizers?)")
         self.eos_id = eos.pop()
         self.vocab_size = max(d.vocab_size for d in datasets)
 
@@ -43,13 +43,15 @@ class Mixture:
         p = np.asarray(positions, dtype=np.int64)
         return self._route(p, 0, len(self.streams), 1)
 
-    def _route(self, p: np.ndarray, first: int, last: int, node: int) -> tuple[np.ndarray, np.ndarray]:
+    def _route(self, p: np.ndarray, first: int, last: int,
+               node: int) -> tuple[np.ndarray, np.ndarray]:
         if last - first == 1:
             return np.full_like(p, first), p
         mid = (first + last) // 2
         share = self.weights[first:mid].sum() / self.weights[first:last].sum()
         phase = self.phases[node]
-        before = np.floor(p * share + phase).astype(np.int64)  # of the positions before p, those going left
+        # of the positions before p, those going left
+        before = np.floor(p * share + phase).astype(np.int64)
         left = np.floor((p + 1) * share + phase).astype(np.int64) > before
         source, index = np.empty_like(p), np.empty_like(p)
         source[left], index[left] = self._route(before[left], first, mid, 2 * node)

@@ -19,7 +19,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def round_keys(*seed: int) -> np.ndarray:
-    return np.random.default_rng([s % 2**64 for s in seed]).integers(0, 2**63, ROUNDS, dtype=np.uint64)
+    rng = np.random.default_rng([s % 2**64 for s in seed])
+    return rng.integers(0, 2**63, ROUNDS, dtype=np.uint64)
 
 
 def permute(index: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
@@ -59,7 +60,8 @@ class Shuffled:
         out = np.empty_like(offsets)
         for epoch in np.unique(epochs):
             if epoch not in self._keys:
-                self._keys = {epoch: round_keys(*self.seed, int(epoch))}  # (one epoch at a time, mostly)
+                # (one epoch at a time, mostly)
+                self._keys = {epoch: round_keys(*self.seed, int(epoch))}
             chosen = epochs == epoch
             out[chosen] = permute(offsets[chosen], self.n, self._keys[epoch])
         return out
@@ -78,4 +80,5 @@ def as_stream(dataset, *seed: int):
 
 def take(stream, positions) -> list:
     """The windows at `positions` of a stream."""
-    return stream.take(positions) if hasattr(stream, "take") else [stream[int(p)] for p in positions]
+    return (stream.take(positions) if hasattr(stream, "take")
+            else [stream[int(p)] for p in positions])

@@ -18,13 +18,18 @@ class PackedTokens(Dataset):
     "train". A window is read from the stream only when asked for."""
 
     def __init__(self, tokens, seq_len: int, vocab_size: int, eos_id: int, split: str, what: str):
-        self.tokens, self.seq_len, self.vocab_size, self.eos_id = tokens, seq_len, vocab_size, eos_id
+        self.tokens, self.seq_len = tokens, seq_len
+        self.vocab_size, self.eos_id = vocab_size, eos_id
         windows = (len(tokens) - 1) // seq_len
         held_out = 0 if split == "all" else max(1, int(windows * VAL_FRACTION))
         if windows <= held_out:  # (for split all: no window at all)
-            raise ConfigError(f"{what} holds {len(tokens)} tokens, too few for training.seq_len={seq_len}"
+            raise ConfigError(f"{what} holds {len(tokens)} tokens, too few for "
+                              f"training.seq_len={seq_len}"
                               + ("" if split == "all" else " and a validation split"))
-        self.first, self.size = (windows - held_out, held_out) if split == "val" else (0, windows - held_out)
+        if split == "val":
+            self.first, self.size = windows - held_out, held_out
+        else:
+            self.first, self.size = 0, windows - held_out
 
     def __len__(self) -> int:
         return self.size
@@ -33,4 +38,5 @@ class PackedTokens(Dataset):
         if not 0 <= index < self.size:
             raise IndexError(index)
         start = (self.first + index) * self.seq_len
-        return torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1],
+                                          dtype=np.int64))

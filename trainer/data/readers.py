@@ -20,20 +20,23 @@ def text_paths(pattern: str | None, source: str = "text") -> list[str]:
     """The files a glob (or a plain path) names, sorted; a config error when there are none."""
     paths = sorted(p for p in glob.glob(pattern) if Path(p).is_file()) if pattern else []
     if not paths:
-        raise ConfigError(f"data.path={pattern} matches no readable file (needed by data.source={source})")
+        raise ConfigError(f"data.path={pattern} matches no readable file (needed by "
+                          f"data.source={source})")
     return paths
 
 
 def documents(source: str, path: str | None, text_field: str = "text",
               problems: Problems | None = None) -> Iterator[str]:
-    """The documents of local files: each text file is one; each row of json/jsonl files (JSON lines,
-    or one JSON array; .gz too) or parquet files (read with Hugging Face `datasets`) is one, its text
-    in the column `text_field`. What cannot be read is passed over and counted in `problems`."""
+    """The documents of local files: each text file is one; each row of json/jsonl files (JSON
+    lines, or one JSON array; .gz too) or parquet files (read with Hugging Face `datasets`) is one,
+    its text in the column `text_field`. What cannot be read is passed over and counted in
+    `problems`."""
     paths = text_paths(path, source)
     problems = problems if problems is not None else Problems(strict=False)
     if source == "text":
         return filter(None, (_text_file(p, problems) for p in paths))
-    return (text for p in paths for text in row_texts(file_rows(source, p, problems), text_field, p, problems))
+    return (text for p in paths for text in row_texts(file_rows(source, p, problems), text_field, p,
+                                                      problems))
 
 
 def file_rows(source: str, path: str, problems: Problems) -> Iterable[dict]:
@@ -48,8 +51,8 @@ def file_rows(source: str, path: str, problems: Problems) -> Iterable[dict]:
 
 
 def _is_parquet(path: str, problems: Problems) -> bool:
-    """Whether `path` holds parquet (it starts and ends with PAR1); an empty file is counted and passed
-    over, anything else is a config error (pyarrow's own comes later, as a traceback)."""
+    """Whether `path` holds parquet (it starts and ends with PAR1); an empty file is counted and
+    passed over, anything else is a config error (pyarrow's own comes later, as a traceback)."""
     with open(path, "rb") as f:
         head = f.read(4)
         size = f.seek(0, os.SEEK_END)
@@ -88,7 +91,8 @@ class Problems:
         entry[0] += count
         total = sum(n for n, _ in self.found[kind].values())
         before = total - count
-        if self.live and (before == 0 or len(str(total)) > len(str(before))):  # reached 1, 10, 100, ...
+        # reached 1, 10, 100, ...
+        if self.live and (before == 0 or len(str(total)) > len(str(before))):
             print(self._line(kind), flush=True)
 
     def _line(self, kind: str) -> str:
@@ -97,7 +101,8 @@ class Problems:
         if kind == "empty":
             each = ", ".join(f for f, _ in files[:3])
         else:
-            each = "; ".join(f"{f}: {n}" + (f" (the first{w})" if w else "") for f, (n, w) in files[:3])
+            each = "; ".join(f"{f}: {n}" + (f" (the first{w})" if w else "")
+                             for f, (n, w) in files[:3])
         more = f"; {len(files) - 3} more file(s)" if len(files) > 3 else ""
         return f"data: passed over {total} {self.KINDS[kind][1]}: {each}{more}"
 
@@ -125,7 +130,8 @@ def _text_file(path: str, problems: Problems) -> str | None:
 
 
 def json_rows(path: str, problems: Problems) -> Iterator[dict]:
-    """The objects of a JSON-lines file, or of a file holding one JSON array; anything else counted."""
+    """The objects of a JSON-lines file, or of a file holding one JSON array; anything else
+    counted."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
         head = f.read(4096).lstrip()
         f.seek(0)
@@ -151,7 +157,8 @@ def json_rows(path: str, problems: Problems) -> Iterator[dict]:
             if isinstance(row, dict):
                 yield row
             else:
-                problems.add("malformed", path, f" at {'line' if isinstance(line, bytes) else 'item'} {number}")
+                problems.add("malformed", path,
+                             f" at {'line' if isinstance(line, bytes) else 'item'} {number}")
 
 
 # A source whose first rows all lack data.text_field names a column it does not have: a config
@@ -174,7 +181,8 @@ def row_texts(rows: Iterable[dict], field: str, what: str, problems: Problems) -
             break
         problems.add("no_text", what, f" at row {number}")
     if columns is not None and texts == 0:
-        raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are {columns}")
+        raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are "
+                          f"{columns}")
 
 
 class TokenFile:
@@ -195,7 +203,8 @@ class TokenFile:
         if step != 1:
             raise IndexError("a token file is read in contiguous slices")
         count = max(0, stop - start) * self.dtype.itemsize
-        return np.frombuffer(os.pread(self.fd, count, start * self.dtype.itemsize), dtype=self.dtype)
+        return np.frombuffer(os.pread(self.fd, count, start * self.dtype.itemsize),
+                             dtype=self.dtype)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return self[:].astype(dtype) if dtype else self[:]
@@ -211,6 +220,7 @@ def read_token_file(path: str | Path, what: str) -> tuple[TokenFile, dict]:
     meta = json.loads(meta_path.read_text())
     expected = meta["tokens"] * np.dtype(meta["dtype"]).itemsize
     if Path(path).stat().st_size != expected:
-        raise ConfigError(f"{what} holds {Path(path).stat().st_size} bytes, not the {expected} its .json "
-                          f"describes ({meta['tokens']} {meta['dtype']} tokens): truncated or replaced")
+        raise ConfigError(f"{what} holds {Path(path).stat().st_size} bytes, not the {expected} its "
+                          f".json describes ({meta['tokens']} {meta['dtype']} tokens): truncated "
+                          "or replaced")
     return TokenFile(path, meta["dtype"], meta["tokens"]), meta

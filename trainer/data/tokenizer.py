@@ -48,14 +48,16 @@ class HFTokenizer:
 
         file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         if not file.is_file():
-            raise ConfigError(f"data.tokenizer={path} is neither 'bytes' nor a tokenizer.json or a directory "
-                              "holding one")
+            raise ConfigError(f"data.tokenizer={path} is neither 'bytes' nor a tokenizer.json or a "
+                              "directory holding one")
         try:
             self.tokenizer = Tokenizer.from_file(str(file))
-        except Exception as e:  # the tokenizers library raises its own exception class for every failure
-            raise ConfigError(f"data.tokenizer={path}: {file} is not a tokenizer the tokenizers library reads "
-                              f"({str(e).splitlines()[0]})") from None
-        # Ids need not be dense (added tokens may sit above the base vocabulary): the largest bounds them.
+        # the tokenizers library raises its own exception class for every failure
+        except Exception as e:
+            raise ConfigError(f"data.tokenizer={path}: {file} is not a tokenizer the tokenizers "
+                              f"library reads ({str(e).splitlines()[0]})") from None
+        # Ids need not be dense (added tokens may sit above
+        # the base vocabulary): the largest bounds them.
         self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         config_file = file.parent / "tokenizer_config.json"
         try:
@@ -65,12 +67,14 @@ class HFTokenizer:
         eos_names = [name for name in (_token_name(config.get("eos_token")), *EOS_NAMES) if name]
         eos = [i for i in map(self.tokenizer.token_to_id, eos_names) if i is not None]
         if not eos:
-            raise ConfigError(f"data.tokenizer={path} has no end-of-sequence token (looked for {eos_names})")
+            raise ConfigError(f"data.tokenizer={path} has no end-of-sequence token (looked for "
+                              f"{eos_names})")
         self.eos_id = eos[0]
         # A beginning-of-sequence token only where the config names one that is not EOS and does
         # not turn it off (GPT-2-style tokenizers call EOS their BOS and add none).
         bos = _token_name(config.get("bos_token"))
-        self.bos_id = self.tokenizer.token_to_id(bos) if bos and config.get("add_bos_token", True) else None
+        self.bos_id = (self.tokenizer.token_to_id(bos) if bos and config.get("add_bos_token", True)
+                       else None)
         if self.bos_id == self.eos_id:
             self.bos_id = None
         pad = _token_name(config.get("pad_token"))
@@ -91,7 +95,8 @@ def _token_name(token) -> str | None:
 
 
 def is_bytes(spec: str) -> bool:
-    """Whether data.tokenizer `spec` means UTF-8 bytes (`auto` where no weights hold a tokenizer)."""
+    """Whether data.tokenizer `spec` means UTF-8 bytes (`auto` where no weights hold a
+    tokenizer)."""
     return spec in ("bytes", "auto")
 
 
@@ -116,7 +121,8 @@ def pieces(documents: Iterable[str]) -> Iterator[tuple[str, bool, bool]]:
 
 def encode_pieces(group: list[tuple[str, bool, bool]], tokenizer) -> np.ndarray:
     """The tokens of consecutive pieces, with BOS before each document (when the tokenizer has one)
-    and EOS after it. The trainer and scripts/prepare_data.py both tokenize this way, so they agree."""
+    and EOS after it. The trainer and scripts/prepare_data.py both tokenize this way, so they
+    agree."""
     ids: list[int] = []
     for text, first, last in group:
         if first and tokenizer.bos_id is not None:

@@ -2,9 +2,10 @@
 TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default: rank 0):
 
     nan_grad@5        after step 5's backward, a gradient of the rank is NaN
-    garbage_batch@12  step 12 trains on scrambled tokens (every rank unless one is named): a loss spike
-    hang@4:1          rank 1 sleeps at the start of step 4's forward, while the others wait for it
-    pause@10          rank 0 waits at the start of step 10's forward until the job is asked to stop
+    garbage_batch@12  step 12 trains on scrambled tokens (every rank unless one is named): a loss
+    spike hang@4:1          rank 1 sleeps at the start of step 4's forward, while the others wait
+    for it pause@10          rank 0 waits at the start of step 10's forward until the job is asked
+    to stop
                       (a signal: a preemption, a node joining an elastic job; at most 10 minutes),
                       then trains the step, which the job saves
     kill@6:1          rank 1 is killed (SIGKILL) after step 6's backward, before the optimizer step
@@ -16,10 +17,10 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
                       backward took (a slow filesystem)
 
 Each fault but the slowdowns fires once per job: a file under output_dir/faults records it, so that
-a job restarted by its launcher, or a step run again after a rollback, runs clean. `FaultInjection` is
-a step part (`start_step`, `before_forward`, `after_backward`) that also gives the data its `corrupt`
-and the checkpointer its `kill_save`; unset (the normal case), the loop holds no such part and nothing
-is injected.
+a job restarted by its launcher, or a step run again after a rollback, runs clean. `FaultInjection`
+is a step part (`start_step`, `before_forward`, `after_backward`) that also gives the data its
+`corrupt` and the checkpointer its `kill_save`; unset (the normal case), the loop holds no such part
+and nothing is injected.
 """
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ PAUSE_S = 600  # the longest a `pause` waits for the stop
 class FaultInjection(StepPart):
     def __init__(self, spec: str, rank: int, output_dir: str, parameters=(), stop=None):
         # stop: the run's StopRequest, what a `pause` waits for
-        self.rank, self.fired, self.parameters, self.stop = rank, Path(output_dir, "faults"), parameters, stop
+        self.rank, self.fired, self.parameters, self.stop = (rank, Path(output_dir, "faults"),
+                                                             parameters, stop)
         self.steps: dict[str, set[int]] = {}
-        self.compute_s = 0.0  # this rank's last forward and backward, CPU seconds (what `slow` adds again)
+        # this rank's last forward and backward, CPU seconds (what `slow` adds again)
+        self.compute_s = 0.0
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, where = item.partition("@")
             step, _, on_rank = where.partition(":")
             if kind not in KINDS or not step.isdigit() or not (on_rank == "" or on_rank.isdigit()):
-                raise ConfigError(f"TRAINER_FAULTS={spec}: {item} is not KIND@STEP[:RANK] with KIND in {sorted(KINDS)}")
+                raise ConfigError(f"TRAINER_FAULTS={spec}: {item} is not KIND@STEP[:RANK] with "
+                                  f"KIND in {sorted(KINDS)}")
             default_rank = rank if kind == "garbage_batch" else 0
             if int(on_rank or default_rank) == rank:
                 self.steps.setdefault(kind, set()).add(int(step))
@@ -125,8 +129,9 @@ class FaultInjection(StepPart):
 
     @staticmethod
     def garbage(batches: list, vocab_size: int) -> list:
-        """The step's microbatches with every token id scrambled (an affine map modulo the vocabulary):
-        text the model cannot predict, made from each sequence alone, so the same in every layout."""
+        """The step's microbatches with every token id scrambled (an affine map modulo the
+        vocabulary): text the model cannot predict, made from each sequence alone, so the same in
+        every layout."""
         def scrambled(ids):
             return torch.where(ids == IGNORE_INDEX, ids, (ids * 40503 + 12345) % vocab_size)
 

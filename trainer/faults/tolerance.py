@@ -1,12 +1,12 @@
 """Per-step fault tolerance across replica groups, through torchft.
 
-The data-parallel replicas (`parallel.dp_replicate` of them) run as separate jobs, the replica groups:
-each is an ordinary torchrun job of dp_shard x cp x tp x pp ranks with FSDP inside it. torchft's
-lighthouse decides before each step which groups take part (a quorum); rank r of each group
-all-reduces its gradient shards with rank r of the others over a process group torchft rebuilds when
-the quorum changes. A group that dies costs the others one retried step, not a restart; one that
-(re)joins receives the weights, optimizer state and step from a peer over the network (no checkpoint
-is read) and trains the same step as everyone else.
+The data-parallel replicas (`parallel.dp_replicate` of them) run as separate jobs, the replica
+groups: each is an ordinary torchrun job of dp_shard x cp x tp x pp ranks with FSDP inside it.
+torchft's lighthouse decides before each step which groups take part (a quorum); rank r of each
+group all-reduces its gradient shards with rank r of the others over a process group torchft
+rebuilds when the quorum changes. A group that dies costs the others one retried step, not a
+restart; one that (re)joins receives the weights, optimizer state and step from a peer over the
+network (no checkpoint is read) and trains the same step as everyone else.
 
 The whole global batch is trained while groups are out (`keep_global_batch`): a step's batch is
 `dp_replicate` replica shares, and the groups in the quorum split the shares among them, each
@@ -49,9 +49,11 @@ def torchft():
         import torchft
     except ImportError:
         raise ConfigError(f"fault_tolerance.enabled=true needs torchft: {INSTALL}") from None
-    # torchft logs a failed collective with its traceback on every rank; the loop says it in one line.
+    # torchft logs a failed collective with its traceback
+    # on every rank; the loop says it in one line.
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")  # a peer's state, read once
+    # a peer's state, read once
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
     return torchft
 
 
@@ -60,17 +62,19 @@ def lighthouse_address(ft) -> str | None:
 
 
 def check_available(ft: FaultToleranceConfig) -> None:
-    """What fault tolerance needs beyond its keys (rules.py checks those): torchft, and a lighthouse's
-    address (the key or $TORCHFT_LIGHTHOUSE)."""
+    """What fault tolerance needs beyond its keys (rules.py checks those): torchft, and a
+    lighthouse's address (the key or $TORCHFT_LIGHTHOUSE)."""
     torchft()
     if lighthouse_address(ft) is None:
-        raise ConfigError("fault_tolerance.lighthouse is not set (nor $TORCHFT_LIGHTHOUSE): the lighthouse's address, "
-                          "e.g. http://localhost:29510 (scripts/ft_local.sh starts one)")
+        raise ConfigError("fault_tolerance.lighthouse is not set (nor $TORCHFT_LIGHTHOUSE): the "
+                          "lighthouse's address, e.g. http://localhost:29510 (scripts/ft_local.sh "
+                          "starts one)")
 
 
 def check_lighthouse(job: JobConfig) -> None:
-    """Under fault tolerance, a config error unless the lighthouse listens within distributed.timeout_s
-    (what the job needs of the world outside it; the config rules above need nothing)."""
+    """Under fault tolerance, a config error unless the lighthouse listens within
+    distributed.timeout_s (what the job needs of the world outside it; the config rules above need
+    nothing)."""
     if not job.fault_tolerance.enabled:
         return
     address, timeout_s = lighthouse_address(job.fault_tolerance), job.distributed.timeout_s
@@ -78,25 +82,28 @@ def check_lighthouse(job: JobConfig) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((url.hostname, url.port or 29510), timeout=min(5.0, timeout_s)).close()
+            socket.create_connection((url.hostname, url.port or 29510),
+                                     timeout=min(5.0, timeout_s)).close()
             return
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise ConfigError(f"fault_tolerance.lighthouse={address} cannot be reached ({e.strerror or e}) "
-                                  f"within distributed.timeout_s={timeout_s}: start the lighthouse first "
-                                  f"(torchft_lighthouse; scripts/ft_local.sh starts one)") from None
+                raise ConfigError(f"fault_tolerance.lighthouse={address} cannot be reached "
+                                  f"({e.strerror or e}) within distributed.timeout_s={timeout_s}: "
+                                  "start the lighthouse first (torchft_lighthouse; "
+                                  "scripts/ft_local.sh starts one)") from None
             time.sleep(0.5)
 
 
 def group_view(job: JobConfig) -> JobConfig:
-    """The job as one replica group sees it: no replicate dimension in its mesh, and its share of the
-    global batch (what the layout rules and the memory plan check)."""
+    """The job as one replica group sees it: no replicate dimension in its mesh, and its share of
+    the global batch (what the layout rules and the memory plan check)."""
     if not job.fault_tolerance.enabled:
         return job
     groups = job.parallel.dp_replicate
     return dataclasses.replace(
         job, parallel=dataclasses.replace(job.parallel, dp_replicate=1),
-        training=dataclasses.replace(job.training, global_batch_size=job.training.global_batch_size // groups))
+        training=dataclasses.replace(job.training,
+                                     global_batch_size=job.training.global_batch_size // groups))
 
 
 def group_output_dir(job: JobConfig) -> str:
@@ -131,8 +138,8 @@ class OneGroup:
         return True
 
     def commit(self, update: Callable[[], None]) -> bool:
-        """Runs `update` (the optimizer step) when every group finished the step; whether it ran (else
-        the step is trained again)."""
+        """Runs `update` (the optimizer step) when every group finished the step; whether it ran
+        (else the step is trained again)."""
         update()
         return True
 
@@ -142,26 +149,31 @@ class OneGroup:
 
 class ReplicaGroups(OneGroup):
     """This rank's side of torchft's manager: the quorum at the start of each step, the gradient
-    all-reduce across groups, and the commit before the optimizer steps. `first_quorum(received)` runs
-    once, after the first quorum (`received`: whether a peer group's state came in it)."""
+    all-reduce across groups, and the commit before the optimizer steps. `first_quorum(received)`
+    runs once, after the first quorum (`received`: whether a peer group's state came in it)."""
 
-    def __init__(self, job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state,
-                 device: torch.device, log, mark=lambda phase: None,
+    def __init__(self, job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 trainer_state, device: torch.device, log, mark=lambda phase: None,
                  first_quorum: Callable[[bool], None] = lambda received: None):
         ft, tf = job.fault_tolerance, torchft()
-        self.groups, self.group, self.keep = job.parallel.dp_replicate, ft.replica_group, ft.keep_global_batch
-        self.model, self.optimizer, self.log, self.mark = model, optimizer, log, mark  # mark: the watchdog's phase
+        self.groups, self.group, self.keep = (job.parallel.dp_replicate, ft.replica_group,
+                                              ft.keep_global_batch)
+        # mark: the watchdog's phase
+        self.model, self.optimizer, self.log, self.mark = model, optimizer, log, mark
         # (get, set) of what else a recovering group needs: the step and the data's stream position.
         self.trainer_state = trainer_state
         self.first_quorum: Callable[[bool], None] | None = first_quorum
         timeout = timedelta(seconds=ft.timeout_s)
-        pg = tf.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else tf.ProcessGroupGloo(timeout=timeout)
+        pg = (tf.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
+              else tf.ProcessGroupGloo(timeout=timeout))
         self.manager = tf.Manager(
-            pg=pg, min_replica_size=ft.min_replicas, load_state_dict=self._load, state_dict=self._state,
+            pg=pg, min_replica_size=ft.min_replicas, load_state_dict=self._load,
+            state_dict=self._state,
             # The quorum is known before the step's data is chosen, and a recovering group is whole
             # before its forward: both need the quorum at the start of the step, not during it.
             use_async_quorum=False,
-            # Every group initializes the same weights from the seed, or resumes the same checkpoint.
+            # Every group initializes the same weights from
+            # the seed, or resumes the same checkpoint.
             init_sync=False,
             replica_id=f"replica_group_{self.group}", lighthouse_addr=lighthouse_address(ft),
             timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
@@ -175,15 +187,17 @@ class ReplicaGroups(OneGroup):
 
     def start_step(self) -> list[int]:
         """The quorum for the next step (recovering from a peer first if this group is behind: the
-        trainer's step moves); returns the replica shares of the global batch this group trains in it."""
+        trainer's step moves); returns the replica shares of the global batch this group trains in
+        it."""
         self.recovered = False
         self.mark("quorum")
         started = time.perf_counter()
         self.manager.start_quorum()  # a group behind the others receives their state in it (_load)
         if self.recovered:
-            self.log(f"fault tolerance: recovered from a peer group at step {self.trainer_state[0]()['step']} in "
-                     f"{time.perf_counter() - started:.2f}s (quorum, transfer and load of the weights, optimizer "
-                     f"state and step; no checkpoint read)")
+            self.log("fault tolerance: recovered from a peer group at step "
+                     f"{self.trainer_state[0]()['step']} in {time.perf_counter() - started:.2f}s "
+                     "(quorum, transfer and load of the weights, optimizer state and step; no "
+                     "checkpoint read)")
         if self.first_quorum is not None:
             self.first_quorum(self.recovered)
             self.first_quorum = None
@@ -196,14 +210,16 @@ class ReplicaGroups(OneGroup):
             shares = [self.group]
         if (n, self.keep) != self.said:
             self.said = (n, self.keep)
-            what = "the whole global batch" if self.keep else f"{n} of {self.groups} shares of the global batch"
-            self.log(f"fault tolerance: {n} of {self.groups} replica groups in this step; it trains {what}")
+            what = ("the whole global batch" if self.keep
+                    else f"{n} of {self.groups} shares of the global batch")
+            self.log(f"fault tolerance: {n} of {self.groups} replica groups in this step; it "
+                     f"trains {what}")
         return shares
 
     def reduce(self, parameters, loss: torch.Tensor) -> torch.Tensor:
         """Sums the groups' gradient shards and losses across groups into the mean over the global
-        batch's replica shares; returns the reduced loss. Buckets of BUCKET_BYTES, one after another:
-        the extra memory is one bucket's fp32 copy, whatever the model's size."""
+        batch's replica shares; returns the reduced loss. Buckets of BUCKET_BYTES, one after
+        another: the extra memory is one bucket's fp32 copy, whatever the model's size."""
         parameters = list(parameters)
         for p in parameters:  # a group that trained nothing this step still sends its (zero) share
             if p.grad is None:
@@ -227,7 +243,8 @@ class ReplicaGroups(OneGroup):
         return self.groups if self.keep else max(self.manager.num_participants(), 1)
 
     def sum_counts(self, count: torch.Tensor) -> torch.Tensor:
-        """Every group calls it each step, one that trains nothing too (with 0), before any forward."""
+        """Every group calls it each step, one that trains nothing too (with 0), before any
+        forward."""
         total = count.detach().clone().reshape(1)
         self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
         return total.reshape(())
@@ -241,8 +258,10 @@ class ReplicaGroups(OneGroup):
             update()
             return True
         error = self.manager.errored()
-        why = str(error.original_exception).splitlines()[0][:200] if error is not None else "a group did not commit"
-        self.log(f"fault tolerance: the step failed across replica groups ({why}); training it again")
+        why = (str(error.original_exception).splitlines()[0][:200] if error is not None
+               else "a group did not commit")
+        self.log(f"fault tolerance: the step failed across replica groups ({why}); training it "
+                 "again")
         return False
 
     def close(self) -> None:
@@ -253,13 +272,16 @@ class ReplicaGroups(OneGroup):
 
     def _state(self) -> dict:
         params = list(self.model.parameters())
-        optim = [{k: _local(v) for k, v in self.optimizer.state[p].items()} if p in self.optimizer.state else None
+        optim = [{k: _local(v) for k, v in self.optimizer.state[p].items()}
+                 if p in self.optimizer.state else None
                  for p in params]
-        return {"params": [_local(p) for p in params], "optimizer": optim, "trainer": self.trainer_state[0]()}
+        return {"params": [_local(p) for p in params], "optimizer": optim,
+                "trainer": self.trainer_state[0]()}
 
     def _load(self, state: dict) -> None:
         with torch.no_grad():
-            for p, value, saved in zip(self.model.parameters(), state["params"], state["optimizer"]):
+            for p, value, saved in zip(self.model.parameters(), state["params"],
+                                       state["optimizer"]):
                 _local(p).copy_(value)
                 if saved is None:
                     self.optimizer.state.pop(p, None)
@@ -273,7 +295,8 @@ class ReplicaGroups(OneGroup):
 
 
 def _buckets(tensors: list[torch.Tensor], elements: int) -> list[list[torch.Tensor]]:
-    """`tensors` in order, in runs of about `elements` elements (a larger tensor is a run of its own)."""
+    """`tensors` in order, in runs of about `elements` elements (a larger tensor is a run of its
+    own)."""
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -290,9 +313,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """An optimizer state tensor for parameter `p` from its local shard `value` (a scalar stays plain)."""
+    """An optimizer state tensor for parameter `p` from its local shard `value` (a scalar stays
+    plain)."""
     value = value.to(p.device).clone()
     if isinstance(p, DTensor) and value.ndim > 0:
-        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
     return value

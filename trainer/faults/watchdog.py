@@ -40,7 +40,8 @@ def enable_flight_recorder(output_dir: str) -> None:
     settings win."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(TRACE_ENTRIES))
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(output_dir, "flight_recorder", "rank_")))
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE",
+                          str(Path(output_dir, "flight_recorder", "rank_")))
 
 
 def flight_record(json_form: bool):
@@ -64,14 +65,15 @@ def last_collectives(now_ns: int, groups: dict[str, str]) -> list[str]:
     for entry in json.loads(record).get("entries", []):
         last[tuple(entry["process_group"])] = entry
     lines = []
-    for (name, desc), e in sorted(last.items(), key=lambda item: item[1]["time_created_ns"], reverse=True):
+    for (name, desc), e in sorted(last.items(), key=lambda item: item[1]["time_created_ns"],
+                                  reverse=True):
         group = groups.get(name) or desc.removeprefix("mesh_") or name
         seq = e["p2p_seq_id"] if e.get("is_p2p") else e["collective_seq_id"]
         op = e["profiling_name"].partition(":")[2] or e["profiling_name"]
         shapes = ", ".join(str(list(s)) for s in e.get("input_sizes", []))
         age = (now_ns - e["time_created_ns"]) / 1e9
-        lines.append(f"{group}: {op} #{seq} of shape {shapes} {', '.join(e.get('input_dtypes', []))}, "
-                     f"entered {age:.1f}s ago")
+        lines.append(f"{group}: {op} #{seq} of shape {shapes} "
+                     f"{', '.join(e.get('input_dtypes', []))}, entered {age:.1f}s ago")
     return lines or ["(none yet)"]
 
 
@@ -83,22 +85,26 @@ def thread_stacks() -> str:
     for thread in threads:
         if thread.ident == threading.get_ident() or thread.ident not in frames:
             continue
-        out.append(f"thread {thread.name}:\n" + "".join(traceback.format_stack(frames[thread.ident])))
+        out.append(f"thread {thread.name}:\n"
+                   + "".join(traceback.format_stack(frames[thread.ident])))
     return "".join(out)
 
 
 class Watchdog(StepPart):
-    """Watches this rank's steps, as a step part. `start_step(n)` opens step n with `step_timeout_s` to finish (the
-    first one gets `timeout_s`: compilation and warm-up), `phase(name)` says what it is doing,
-    `slow(name)` starts a phase allowed `timeout_s` (a checkpoint save, a validation)."""
+    """Watches this rank's steps, as a step part. `start_step(n)` opens step n with `step_timeout_s`
+    to finish (the first one gets `timeout_s`: compilation and warm-up), `phase(name)` says what it
+    is doing, `slow(name)` starts a phase allowed `timeout_s` (a checkpoint save, a validation)."""
 
     def __init__(self, step_timeout_s: float | None, timeout_s: float, output_dir: str):
-        self.step_timeout_s, self.timeout_s, self.output_dir = step_timeout_s, timeout_s, Path(output_dir)
+        self.step_timeout_s, self.timeout_s, self.output_dir = (step_timeout_s, timeout_s,
+                                                                Path(output_dir))
         self.rank = dist.get_rank()
         self.current, self.name = 0, "start-up"
-        self.groups: dict[str, str] = {}  # the mesh dimensions of each process group, once there is a mesh
+        # the mesh dimensions of each process group, once there is a mesh
+        self.groups: dict[str, str] = {}
         self.started = time.monotonic()
-        self.limit = ("distributed.timeout_s", timeout_s)  # the key and the seconds the current step may take
+        # the key and the seconds the current step may take
+        self.limit = ("distributed.timeout_s", timeout_s)
         self.stopped = threading.Event()
         self.first = True
         if step_timeout_s is not None:
@@ -153,13 +159,14 @@ class Watchdog(StepPart):
         report = "\n".join([
             f"{head}: step {self.current}, phase {self.name}: no progress for {waited:.1f}s "
             f"({self.limit[0]}={self.limit[1]:g})",
-            *(f"{head}: last collective on {line}" for line in last_collectives(time.time_ns(), self.groups)),
+            *(f"{head}: last collective on {line}"
+              for line in last_collectives(time.time_ns(), self.groups)),
             f"{head}: Python stacks:",
             thread_stacks().rstrip(),
         ])
         saved = self._save(report)
-        sys.stderr.write(f"{report}\n{head}: {saved}exiting with status {EXIT_STATUS} (a launcher with restarts "
-                         f"resumes from the last checkpoint)\n")
+        sys.stderr.write(f"{report}\n{head}: {saved}exiting with status {EXIT_STATUS} (a launcher "
+                         "with restarts resumes from the last checkpoint)\n")
         sys.stderr.flush()
         time.sleep(GRACE_S)
         os._exit(EXIT_STATUS)

@@ -26,17 +26,19 @@ from trainer.errors import ConfigError
 from trainer.models.spec import ModelSpec, families, family, register_family
 from trainer.tensors import local_tensor
 
-__all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules", "init_weights",
-           "materialize", "model_config", "register_family", "tied_names"]
+__all__ = ["ModelSpec", "build_model", "count_params", "families", "family", "import_modules",
+           "init_weights", "materialize", "model_config", "register_family", "tied_names"]
 
 
 def import_modules(names: list[str]) -> None:
-    """Imports the modules `names` (the config's `imports`), in which families register themselves."""
+    """Imports the modules `names` (the config's `imports`), in which families register
+    themselves."""
     for name in names:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise ConfigError(f"imports: {name} cannot be imported ({e}); give a module on the Python path") from None
+            raise ConfigError(f"imports: {name} cannot be imported ({e}); give a module on the "
+                              "Python path") from None
 
 
 def model_config(spec: str | Mapping | ModelConfig) -> ModelConfig:
@@ -67,23 +69,29 @@ def model_config(spec: str | Mapping | ModelConfig) -> ModelConfig:
 # "not used": a saved config (a checkpoint's, a run's config.yaml) or an old config file holding
 # them at that value reads as before.
 RETIRED = {"head_dim": None, "n_experts": 0, "top_k": 0, "aux_loss_coef": 0.0, "z_loss_coef": 0.0,
-           "capacity_factor": None, "route_score": "softmax", "route_norm": True, "route_scale": 1.0,
-           "n_shared_experts": 0, "n_expert_groups": 1, "top_groups": 1, "bias_update_speed": 0.0}
+           "capacity_factor": None, "route_score": "softmax", "route_norm": True,
+           "route_scale": 1.0, "n_shared_experts": 0, "n_expert_groups": 1, "top_groups": 1,
+           "bias_update_speed": 0.0}
 
 
 def _unknown_key(key: str, name: str, keys: set[str]) -> str:
-    """A key the family `name` does not declare: the nearest it does, or the families that have it."""
+    """A key the family `name` does not declare: the nearest it does, or the families that have
+    it."""
     near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
     if near:
         return f"model.{key} is not a key of model.family={name}; did you mean model.{near[0]}?"
-    others = [f for f in families() if key in {k.name for k in dataclasses.fields(family(f).config)}]
+    others = [f for f in families()
+              if key in {k.name for k in dataclasses.fields(family(f).config)}]
     if others:
-        return f"model.{key} is not a key of model.family={name}; it is one of model.family={' or '.join(others)}"
+        return (f"model.{key} is not a key of model.family={name}; it is one of "
+                f"model.family={' or '.join(others)}")
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
     return (f"model.{key} is not a key of model.family={name}; its keys: "
-            f"{', '.join(sorted(keys - {f.name for f in dataclasses.fields(ModelConfig)}) or ['the shared ones'])}")
+            f"{', '.join(sorted(keys - shared) or ['the shared ones'])}")
 
 
-def build_model(spec: str | Mapping | ModelConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
+def build_model(spec: str | Mapping | ModelConfig, *, device: str | torch.device = "cpu",
+                seed: int = 0) -> nn.Module:
     """A plain nn.Module in fp32. On "meta" it is left uninitialised, to be sharded first."""
     cfg = model_config(spec)
     with torch.device("meta"):
@@ -137,12 +145,14 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     local = local_tensor(param)
     full = full.to(device=local.device, dtype=local.dtype)
     if isinstance(param, DTensor):
-        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        full = distribute_tensor(full, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
     local.copy_(full)
 
 
 def tied_names(cfg: ModelConfig) -> dict[str, str]:
-    """Each name of a parameter shared with an earlier one (a tied output head) -> that one's name."""
+    """Each name of a parameter shared with an earlier one (a tied output head) -> that one's
+    name."""
     first: dict[int, str] = {}
     tied = {}
     for name, param in build_model(cfg, device="meta").named_parameters(remove_duplicate=False):

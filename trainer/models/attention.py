@@ -1,7 +1,8 @@
 """Attention kernels, per device and with no knowledge of meshes: softmax(q k^T / sqrt(d)) v of a
-block of queries [batch, heads, rows, d] against a block of keys [batch, kv_heads, cols, d] and values
-[batch, kv_heads, cols, dv] (grouped-query: heads a multiple of kv_heads; values may be narrower, as
-MLA's), causal or not, optionally under a `Mask` (keys by global index, within documents).
+block of queries [batch, heads, rows, d] against a block of keys [batch, kv_heads, cols, d] and
+values [batch, kv_heads, cols, dv] (grouped-query: heads a multiple of kv_heads; values may be
+narrower, as MLA's), causal or not, optionally under a `Mask` (keys by global index, within
+documents).
 
 - `attention`: the output, differentiable. The model's full attention and the all-gather
   context-parallel method call it.
@@ -11,11 +12,15 @@ MLA's), causal or not, optionally under a `Mask` (keys by global index, within d
 
 Each case gets the fastest exact kernel its device has (`KERNELS`):
 
-| device | attention          | attention + mask            | block                  | block + mask      |
+| device | attention          | attention + mask            | block                  | block + mask
+|
 |--------|--------------------|-----------------------------|------------------------|-------------------|
-| cpu    | SDPA (CPU flash)   | CPU flash + mask            | CPU flash              | CPU flash + mask  |
-| cuda   | SDPA (flash/cuDNN) | FlexAttention, block-sparse | flash (bf16/fp16),     | memory-efficient  |
-|        |                    |                             | else memory-efficient  | + mask            |
+| cpu    | SDPA (CPU flash)   | CPU flash + mask            | CPU flash              | CPU flash +
+mask  |
+| cuda   | SDPA (flash/cuDNN) | FlexAttention, block-sparse | flash (bf16/fp16),     |
+memory-efficient  |
+|        |                    |                             | else memory-efficient  | + mask
+|
 
 "math" (float32 scores) is the reference and the kernel of any other device; the kernels are in
 `trainer.models.attention_kernels`. CPU has no FlexAttention backward (torch 2.13), so a CPU mask
@@ -40,8 +45,8 @@ from trainer.models.attention_kernels import BACKWARD, FORWARD, Mask, visible
 KERNELS = {
     "cpu": {"attention": "sdpa", "narrow attention": "cpu_flash", "masked attention": "cpu_flash",
             "block": "cpu_flash", "masked block": "cpu_flash"},
-    "cuda": {"attention": "sdpa", "narrow attention": "sdpa", "masked attention": "flex", "block": "cuda_flash",
-             "masked block": "efficient"},
+    "cuda": {"attention": "sdpa", "narrow attention": "sdpa", "masked attention": "flex",
+             "block": "cuda_flash", "masked block": "efficient"},
 }
 
 
@@ -56,15 +61,17 @@ def attention(q, k, v, causal: bool = True, mask: Mask | None = None) -> torch.T
     name = kernel(q.device.type, case if mask is None else "masked attention")
     gqa = q.shape[1] != k.shape[1]
     if name == "sdpa":
-        seen = None if mask is None else visible(mask, causal, q.shape[2], k.shape[2], q.device)[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, is_causal=causal and mask is None,
-                                              enable_gqa=gqa)
+        seen = None if mask is None else visible(mask, causal, q.shape[2], k.shape[2],
+                                                 q.device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=seen,
+                                              is_causal=causal and mask is None, enable_gqa=gqa)
     if name == "flex":
         return _flex(q, k, v, causal, mask)  # takes values of their own width
     return _Attention.apply(q, k, v, causal, mask, name)
 
 
-def block_forward(q, k, v, causal: bool, mask: Mask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, causal: bool,
+                  mask: Mask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The output [b, heads, rows, d] and its float32 log-sum-exp [b, heads, rows]. A row that sees
     no key gets output 0 and log-sum-exp -inf: no weight when blocks are merged."""
     name = kernel(q.device.type, "block" if mask is None else "masked block")
@@ -72,14 +79,15 @@ def block_forward(q, k, v, causal: bool, mask: Mask | None = None) -> tuple[torc
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, mask: Mask | None = None):
-    """dq, dk, dv of one block, from the final output and log-sum-exp of the attention it is part of."""
+    """dq, dk, dv of one block, from the final output and log-sum-exp of the attention it is part
+    of."""
     name = kernel(q.device.type, "block" if mask is None else "masked block")
     return _backward(name, dout.contiguous(), q, k, v, out, lse, causal, mask)
 
 
 def _forward(name: str, q, k, v, causal, mask):
-    """FORWARD[name]. The fused kernels want values as wide as queries and keys: narrower ones (MLA's)
-    are padded with zeros, which adds zero columns to the output, cut off (exact)."""
+    """FORWARD[name]. The fused kernels want values as wide as queries and keys: narrower ones
+    (MLA's) are padded with zeros, which adds zero columns to the output, cut off (exact)."""
     width = v.shape[-1]
     if name == "math" or width == q.shape[-1]:
         return FORWARD[name](q, k, v, causal, mask)
@@ -97,7 +105,8 @@ def _backward(name: str, dout, q, k, v, out, lse, causal, mask):
     if name == "math" or width == q.shape[-1]:
         return BACKWARD[name](dout, q, k, v, out, lse, causal, mask)
     wide = q.shape[-1]
-    dq, dk, dv = BACKWARD[name](_widened(dout, wide), q, k, _widened(v, wide), _widened(out, wide), lse, causal, mask)
+    dq, dk, dv = BACKWARD[name](_widened(dout, wide), q, k, _widened(v, wide), _widened(out, wide),
+                                lse, causal, mask)
     return dq, dk, dv[..., :width]
 
 
@@ -151,9 +160,9 @@ def _flex(q, k, v, causal: bool, mask: Mask | None):
                             kernel_options=_flex_blocks(q))
 
 
-# Tiles for FlexAttention's kernels when a row of queries is over 512 bytes (fp32 heads over 128 wide,
-# MLA's 192 among them): Inductor's default tiles then need more shared memory than an H100/H200 has
-# (seen: 279 KB asked, 227 KB there). Measured there to match the fp64 reference.
+# Tiles for FlexAttention's kernels when a row of queries is over 512 bytes (fp32 heads over 128
+# wide, MLA's 192 among them): Inductor's default tiles then need more shared memory than an
+# H100/H200 has (seen: 279 KB asked, 227 KB there). Measured there to match the fp64 reference.
 SMALL_FLEX_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1,
                      "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 16}
 

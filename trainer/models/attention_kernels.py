@@ -25,7 +25,8 @@ class Mask:
     def dense(self) -> torch.Tensor:
         """[batch (or 1), rows, cols] booleans: whether each query sees each key."""
         seen = self.keys[None, None, :] <= self.queries[None, :, None]
-        return seen if self.starts is None else seen & (self.keys[None, None, :] >= self.starts[:, :, None])
+        return seen if self.starts is None else seen & (self.keys[None, None, :]
+                                                        >= self.starts[:, :, None])
 
     def sees(self, b, i, j) -> torch.Tensor:
         """The same for index tensors (FlexAttention's mask function)."""
@@ -37,7 +38,8 @@ def visible(mask: Mask | None, causal: bool, rows: int, cols: int, device) -> to
     """[batch (or 1), rows, cols]: the mask with the block's causal triangle (None if neither)."""
     if mask is None and not causal:
         return None
-    seen = mask.dense() if mask is not None else torch.ones(1, rows, cols, dtype=torch.bool, device=device)
+    seen = mask.dense() if mask is not None else torch.ones(1, rows, cols, dtype=torch.bool,
+                                                            device=device)
     if causal:
         seen = seen & torch.ones(rows, cols, dtype=torch.bool, device=device).tril()
     return seen
@@ -52,7 +54,8 @@ def _group_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _scores(qg, k, causal: bool, mask: Mask | None) -> torch.Tensor:
-    """Scaled float32 scores of grouped queries [b, kv_heads, groups, rows, d] against k [b, kv_heads, cols, d]."""
+    """Scaled float32 scores of grouped queries [b, kv_heads, groups, rows, d] against k [b,
+    kv_heads, cols, d]."""
     scores = qg.float() @ k.float()[:, :, None].transpose(-1, -2) * qg.shape[-1] ** -0.5
     seen = visible(mask, causal, *scores.shape[-2:], scores.device)
     return scores if seen is None else scores.masked_fill(~seen[:, None, None], float("-inf"))
@@ -82,8 +85,8 @@ def _math_backward(dout, q, k, v, out, lse, causal, mask):
 
 
 def _additive(seen: torch.Tensor, dtype: torch.dtype, cols_multiple: int = 1) -> torch.Tensor:
-    """Booleans [b, rows, cols] as a kernel's additive mask [b, 1, rows, cols]: 0 seen, -inf not. Its
-    rows are allocated `cols_multiple`-aligned (the memory-efficient kernel wants 16)."""
+    """Booleans [b, rows, cols] as a kernel's additive mask [b, 1, rows, cols]: 0 seen, -inf not.
+    Its rows are allocated `cols_multiple`-aligned (the memory-efficient kernel wants 16)."""
     cols = seen.shape[-1]
     padded = math.ceil(cols / cols_multiple) * cols_multiple
     bias = torch.zeros(*seen.shape[:-1], padded, dtype=dtype, device=seen.device)[..., :cols]
@@ -91,7 +94,8 @@ def _additive(seen: torch.Tensor, dtype: torch.dtype, cols_multiple: int = 1) ->
 
 
 def _blind_rows_to_zero(out, lse, seen: torch.Tensor | None):
-    """A row that sees no key: output 0 and log-sum-exp -inf (the kernels leave it finite or NaN)."""
+    """A row that sees no key: output 0 and log-sum-exp -inf (the kernels leave it finite or
+    NaN)."""
     if seen is None:
         return out, lse
     blind = ~seen.any(-1)[:, None]
@@ -113,7 +117,8 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, mask):
 
 
 def _flash_takes(q, mask) -> bool:
-    # CUDA's flash kernel has no float32 form and takes no mask: those go to the memory-efficient one.
+    # CUDA's flash kernel has no float32 form and takes
+    # no mask: those go to the memory-efficient one.
     return q.dtype in (torch.float16, torch.bfloat16) and mask is None
 
 
@@ -129,9 +134,11 @@ def _cuda_flash_backward(dout, q, k, v, out, lse, causal, mask):
     if not _flash_takes(q, mask):
         return _efficient_backward(dout, q, k, v, out, lse, causal, mask)
     # No dropout: the random-number state the kernel takes is never read.
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.zeros((), dtype=torch.uint64, device=q.device)
+    rng = (torch.zeros(2, dtype=torch.uint64, device=q.device),
+           torch.zeros((), dtype=torch.uint64, device=q.device))
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out.to(q.dtype), lse, None, None, q.shape[2], k.shape[2], 0.0, causal, *rng)[:3]
+        dout, q, k, v, out.to(q.dtype), lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
+        *rng)[:3]
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -155,19 +162,20 @@ def _efficient_backward(dout, q, k, v, out, lse, causal, mask):
     lse = F.pad(lse, (0, padded - rows)).contiguous()
     seed = torch.zeros((), dtype=torch.long, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, _rows_major(out.to(q.dtype)), lse, seed, seed,
-        0.0, [True, True, True, False], causal)
+        dout, q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, _rows_major(out.to(q.dtype)),
+        lse, seed, seed, 0.0, [True, True, True, False], causal)
     return dq, _group_heads(dk, k.shape[1]).sum(2), _group_heads(dv, k.shape[1]).sum(2)
 
 
 def _rows_major(out: torch.Tensor) -> torch.Tensor:
     """[b, heads, rows, d] laid out [b, rows, heads, d] in memory, as the memory-efficient kernel's
     forward writes it: its half-precision backward reads the output with that row stride whatever
-    the strides it is given (a [b, heads, rows, d]-contiguous one gave gradients 100% off on an H200)."""
+    the strides it is given (a [b, heads, rows, d]-contiguous one gave gradients 100% off on an
+    H200)."""
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-FORWARD = {"math": _math_forward, "cpu_flash": _cpu_flash_forward, "cuda_flash": _cuda_flash_forward,
-           "efficient": _efficient_forward}
-BACKWARD = {"math": _math_backward, "cpu_flash": _cpu_flash_backward, "cuda_flash": _cuda_flash_backward,
-            "efficient": _efficient_backward}
+FORWARD = {"math": _math_forward, "cpu_flash": _cpu_flash_forward,
+           "cuda_flash": _cuda_flash_forward, "efficient": _efficient_forward}
+BACKWARD = {"math": _math_backward, "cpu_flash": _cpu_flash_backward,
+            "cuda_flash": _cuda_flash_backward, "efficient": _efficient_backward}

@@ -28,14 +28,17 @@ class Shapes:
     cp_method: str
     act_bytes: int  # bytes per element of activations (the compute dtype)
     expert_load: float = 1.0  # the slots this rank's experts take, over an even share
-    loss_chunk: int | None = None  # tokens per chunk of the output head and loss (None: all at once)
+    # tokens per chunk of the output head and loss (None: all at once)
+    loss_chunk: int | None = None
     # Expert parallel: the experts an FSDP unit of their own, and under selective checkpointing a
-    # region of their own (the spec's checkpoint_regions), so what flows between the regions is kept.
+    # region of their own (the spec's checkpoint_regions),
+    # so what flows between the regions is kept.
     experts_apart: bool = False
 
     @property
     def stream_tokens(self) -> int:
-        """Tokens of the residual stream on a rank: split over the tp ranks under sequence parallel."""
+        """Tokens of the residual stream on a rank: split over the tp ranks under sequence
+        parallel."""
         return self.tokens // self.tp if self.sequence_parallel and self.tp > 1 else self.tokens
 
 
@@ -72,11 +75,13 @@ class Costs:
         raise NotImplementedError
 
     def context_bytes(self, s: Shapes) -> float:
-        """What context parallel passes between ranks per block and microbatch: the rank's keys and values."""
+        """What context parallel passes between ranks per block and microbatch: the rank's keys and
+        values."""
         return 0.0
 
     def expert_bytes(self, s: Shapes) -> float:
-        """What expert parallel sends per MoE block and microbatch, each way: the tokens' routed copies."""
+        """What expert parallel sends per MoE block and microbatch, each way: the tokens' routed
+        copies."""
         return 0.0
 
 
@@ -88,7 +93,8 @@ def gqa_weights(cfg: ModelConfig, head_dim: int) -> int:
 
 
 def scores_flops(n_heads: int, qk_dim: int, v_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token of one block's score and value products: 2 x 3 x heads x widths x seq."""
+    """Training FLOPs per token of one block's score and value products: 2 x 3 x heads x widths x
+    seq."""
     return 6 * n_heads * (qk_dim + v_dim) * seq_len
 
 
@@ -99,8 +105,8 @@ def gqa_saved(s: Shapes, head_dim: int) -> tuple[float, float]:
     elements += 2 * t * m.dim  # the (gathered) inputs of the q/k/v and the feed-forward projections
     q, kv = t * m.n_heads * head_dim // tp, t * m.n_kv_heads * head_dim // tp
     elements += q + 2 * kv  # q, k, v (after the rotary embedding)
-    # Attention's output: the kernels lay it out [batch, seq, heads, head_dim], so the output projection's
-    # input is a view of it.
+    # Attention's output: the kernels lay it out [batch, seq, heads, head_dim], so the output
+    # projection's input is a view of it.
     elements += q
     if s.cp > 1 and s.cp_method == "allgather":
         elements += 2 * kv * s.cp  # the gathered keys and values
@@ -110,8 +116,8 @@ def gqa_saved(s: Shapes, head_dim: int) -> tuple[float, float]:
 
 def gqa_kept(s: Shapes, head_dim: int, policy: str) -> float:
     """Elements the block's input and attention keep under selective checkpointing: the outputs of
-    its matmuls (under `half_mm` the first and third, q and v, but not k or the output projection's),
-    its attention and the collectives that reduce into the residual stream."""
+    its matmuls (under `half_mm` the first and third, q and v, but not k or the output
+    projection's), its attention and the collectives that reduce into the residual stream."""
     m, t, tp = s.model, s.tokens, s.tp
     q, kv = t * m.n_heads * head_dim // tp, t * m.n_kv_heads * head_dim // tp
     projections = q + (2 if policy == "ops" else 1) * kv
@@ -119,9 +125,10 @@ def gqa_kept(s: Shapes, head_dim: int, policy: str) -> float:
 
 
 def into_stream(s: Shapes, policy: str) -> float:
-    """Under selective checkpointing, the elements an output projection keeps of its product into the
-    residual stream (`ops` only) and, with tensor parallel, of the reduced copy."""
-    return (s.tokens * s.model.dim if policy == "ops" else 0) + (s.stream_tokens * s.model.dim if s.tp > 1 else 0)
+    """Under selective checkpointing, the elements an output projection keeps of its product into
+    the residual stream (`ops` only) and, with tensor parallel, of the reduced copy."""
+    stream = s.tokens * s.model.dim if policy == "ops" else 0
+    return stream + (s.stream_tokens * s.model.dim if s.tp > 1 else 0)
 
 
 def matmuls_kept(outputs: list[float], policy: str) -> float:
@@ -140,7 +147,8 @@ def lse_bytes(s: Shapes) -> float:
 
 
 def qk_norm_bytes(s: Shapes, head_dim: int) -> float:
-    """What q/k norms save: their inputs (q and k before the norm) and a float32 scale per head and token."""
+    """What q/k norms save: their inputs (q and k before the norm) and a float32 scale per head and
+    token."""
     rows = s.tokens * (s.model.n_heads + s.model.n_kv_heads) // s.tp
     return rows * head_dim * s.act_bytes + rows * FP32
 
@@ -153,42 +161,46 @@ def swiglu_saved(s: Shapes, width: int) -> float:
 
 
 def swiglu_kept(s: Shapes, width: int, policy: str) -> float:
-    """Elements kept under selective checkpointing: the gate's and up projection's outputs (`half_mm`:
-    the gate's) and the down projection's into the stream."""
+    """Elements kept under selective checkpointing: the gate's and up projection's outputs
+    (`half_mm`: the gate's) and the down projection's into the stream."""
     return (2 if policy == "ops" else 1) * s.tokens * width // s.tp + s.tokens * s.model.dim + (
         s.stream_tokens * s.model.dim if s.tp > 1 else 0)
 
 
-# The MoE layer (trainer.models.moe.MoE): dropless experts, the expert load assumed even unless given;
-# shared experts, a tensor-parallel feed-forward on every token.
+# The MoE layer (trainer.models.moe.MoE): dropless experts, the expert load assumed even unless
+# given; shared experts, a tensor-parallel feed-forward on every token.
 
 def moe_slots(s: Shapes, top_k: int) -> float:
-    """(token, expert) pairs a rank's experts run: each tp rank routes its own slice of the sequence."""
+    """(token, expert) pairs a rank's experts run: each tp rank routes its own slice of the
+    sequence."""
     return s.stream_tokens * top_k
 
 
 def shared_elements(s: Shapes, width: int, kept: int) -> float:
-    """Shared experts `width` wide in all: `kept` of their gate, up and SiLU-product outputs, and their
-    input gathered over the tp ranks (its own copy only under tensor parallel)."""
+    """Shared experts `width` wide in all: `kept` of their gate, up and SiLU-product outputs, and
+    their input gathered over the tp ranks (its own copy only under tensor parallel)."""
     if not width:
         return 0
     return kept * s.tokens * width // s.tp + (s.tokens * s.model.dim if s.tp > 1 else 0)
 
 
-def moe_saved(s: Shapes, n_experts: int, top_k: int, width: int, shared_width: int) -> tuple[float, float]:
-    """(elements in the compute dtype, fp32 elements): each slot's input, its expert's output and that
-    output weighted (which the sum back into tokens keeps), and its three expert activations; the
-    router's logits and probabilities and the routing weights."""
+def moe_saved(s: Shapes, n_experts: int, top_k: int, width: int,
+              shared_width: int) -> tuple[float, float]:
+    """(elements in the compute dtype, fp32 elements): each slot's input, its expert's output and
+    that output weighted (which the sum back into tokens keeps), and its three expert activations;
+    the router's logits and probabilities and the routing weights."""
     slots = moe_slots(s, top_k)
-    elements = slots * s.expert_load * (3 * s.model.dim + 3 * width) + shared_elements(s, shared_width, 3)
+    elements = (slots * s.expert_load * (3 * s.model.dim + 3 * width)
+                + shared_elements(s, shared_width, 3))
     return elements, s.stream_tokens * n_experts * 3 + slots * 2
 
 
-def moe_kept(s: Shapes, n_experts: int, top_k: int, width: int, shared_width: int, policy: str) -> float:
-    """Elements kept under selective checkpointing: the router's logits (its matmul is the block's fifth:
-    kept by both policies); each token's top_k copies through the experts' three grouped matmuls, and
-    with the experts a region of their own, what flows around it (each slot's input, its expert's
-    output and that output weighted)."""
+def moe_kept(s: Shapes, n_experts: int, top_k: int, width: int, shared_width: int,
+             policy: str) -> float:
+    """Elements kept under selective checkpointing: the router's logits (its matmul is the block's
+    fifth: kept by both policies); each token's top_k copies through the experts' three grouped
+    matmuls, and with the experts a region of their own, what flows around it (each slot's input,
+    its expert's output and that output weighted)."""
     per_slot = 2 * width + s.model.dim + (3 * s.model.dim if s.experts_apart else 0)
     elements = s.stream_tokens * n_experts + moe_slots(s, top_k) * s.expert_load * per_slot
     return elements + shared_elements(s, shared_width, 2 if policy == "ops" else 1)
@@ -196,14 +208,15 @@ def moe_kept(s: Shapes, n_experts: int, top_k: int, width: int, shared_width: in
 
 class DecoderCosts(Costs):
     """The shared decoder's (trainer.models.decoder): grouped-query attention (with q/k norms if
-    `qk_norm`), and a SwiGLU feed-forward or, for a config with MoE keys, an MoE layer in every block."""
+    `qk_norm`), and a SwiGLU feed-forward or, for a config with MoE keys, an MoE layer in every
+    block."""
 
     def __init__(self, qk_norm: bool = False):
         self.qk_norm = qk_norm
 
     def flops(self, cfg: ModelConfig, seq_len: int) -> Flops:
-        """6 per weight that multiplies a token (an MoE: its top_k routed experts, the shared ones and
-        the router) and attention's products."""
+        """6 per weight that multiplies a token (an MoE: its top_k routed experts, the shared ones
+        and the router) and attention's products."""
         head = head_width(cfg)
         attention, ffn = gqa_weights(cfg, head), 3 * cfg.dim * cfg.ffn_dim
         dense = attention + (ffn * cfg.n_shared_experts if isinstance(cfg, MoEConfig) else ffn)
@@ -213,8 +226,8 @@ class DecoderCosts(Costs):
                      head=6 * cfg.dim * cfg.vocab_size, float8=6 * cfg.n_layers * dense)
 
     def float8_params(self, cfg: ModelConfig) -> float:
-        """All a dense block's; of an MoE block, attention and the shared experts (plain linear layers),
-        not the experts' grouped GEMMs or the router."""
+        """All a dense block's; of an MoE block, attention and the shared experts (plain linear
+        layers), not the experts' grouped GEMMs or the router."""
         if not isinstance(cfg, MoEConfig):
             return 1.0
         ffn = 3 * cfg.dim * cfg.ffn_dim
@@ -225,7 +238,8 @@ class DecoderCosts(Costs):
         m, head = s.model, head_width(s.model)
         elements, fp32 = gqa_saved(s, head)
         if isinstance(m, MoEConfig):
-            moe, moe_fp32 = moe_saved(s, m.n_experts, m.top_k, m.ffn_dim, m.n_shared_experts * m.ffn_dim)
+            moe, moe_fp32 = moe_saved(s, m.n_experts, m.top_k, m.ffn_dim,
+                                      m.n_shared_experts * m.ffn_dim)
             elements, fp32 = elements + moe, fp32 + moe_fp32
         else:
             elements += swiglu_saved(s, m.ffn_dim)
@@ -236,7 +250,8 @@ class DecoderCosts(Costs):
         m, head = s.model, head_width(s.model)
         elements = gqa_kept(s, head, policy)
         if isinstance(m, MoEConfig):
-            elements += moe_kept(s, m.n_experts, m.top_k, m.ffn_dim, m.n_shared_experts * m.ffn_dim, policy)
+            elements += moe_kept(s, m.n_experts, m.top_k, m.ffn_dim, m.n_shared_experts * m.ffn_dim,
+                                 policy)
         else:
             elements += swiglu_kept(s, m.ffn_dim, policy)
         return elements * s.act_bytes + lse_bytes(s)
@@ -245,4 +260,6 @@ class DecoderCosts(Costs):
         return gqa_context_bytes(s, head_width(s.model))
 
     def expert_bytes(self, s: Shapes) -> float:
-        return s.tokens * s.model.top_k * s.model.dim * s.act_bytes if isinstance(s.model, MoEConfig) else 0.0
+        if not isinstance(s.model, MoEConfig):
+            return 0.0
+        return s.tokens * s.model.top_k * s.model.dim * s.act_bytes

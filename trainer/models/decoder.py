@@ -26,7 +26,8 @@ from trainer.models.moe import MoE
 
 @dataclass
 class HeadDimConfig:
-    """The key of a family whose attention heads have a width of their own (Qwen3), not dim / n_heads."""
+    """The key of a family whose attention heads have a width of their own (Qwen3), not dim /
+    n_heads."""
 
     head_dim: int | None = shape(None)  # null: dim / n_heads
 
@@ -48,19 +49,23 @@ def check_heads(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.head_dim={own} must be >= 1, or null (dim / n_heads)")
     if own is None and cfg.dim % cfg.n_heads:
         hint = " (or set model.head_dim)" if isinstance(cfg, HeadDimConfig) else ""
-        raise ConfigError(f"model.n_heads={cfg.n_heads} must divide model.dim={cfg.dim} (the heads split it){hint}")
+        raise ConfigError(f"model.n_heads={cfg.n_heads} must divide model.dim={cfg.dim} (the heads "
+                          f"split it){hint}")
     if head_width(cfg) % 2:
-        key = f"model.head_dim={own}" if own is not None else f"model.dim={cfg.dim} / model.n_heads={cfg.n_heads}"
-        raise ConfigError(f"{key} (a head's width: {head_width(cfg)}) must be even: the rotary embedding turns "
-                          f"pairs of dimensions")
+        key = (f"model.head_dim={own}" if own is not None
+               else f"model.dim={cfg.dim} / model.n_heads={cfg.n_heads}")
+        raise ConfigError(f"{key} (a head's width: {head_width(cfg)}) must be even: the rotary "
+                          "embedding turns pairs of dimensions")
     if cfg.n_heads % cfg.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads} "
-                          f"(each key/value head serves a group of query heads)")
+        raise ConfigError(f"model.n_kv_heads={cfg.n_kv_heads} must divide "
+                          f"model.n_heads={cfg.n_heads} (each key/value head serves a group of "
+                          "query heads)")
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> torch.Tensor:
     """The rotary angular frequencies [head_dim / 2], scaled as `scaling` (a `RopeScaling`) says."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    even = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+    freqs = 1.0 / (theta ** (even / head_dim))
     if scaling is None:
         return freqs
     if scaling.type == "yarn":
@@ -75,14 +80,17 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None, device=None) -> 
 
 def _yarn(freqs: torch.Tensor, head_dim: int, theta: float, scaling) -> torch.Tensor:
     """YaRN: frequencies kept above the dimension that turns beta_fast times over the original
-    context, divided by the factor below the one that turns beta_slow times, a linear ramp between."""
+    context, divided by the factor below the one that turns beta_slow times, a linear ramp
+    between."""
     def dimension(turns: float) -> float:  # the (fractional) dimension turning `turns` times
-        return head_dim * math.log(scaling.original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        wavelengths = scaling.original_max_seq_len / (turns * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(theta))
 
     low = max(math.floor(dimension(scaling.beta_fast)), 0)
     high = min(math.ceil(dimension(scaling.beta_slow)), head_dim - 1)
     high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=freqs.device) - low) / (high - low)).clamp(0, 1)
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32, device=freqs.device)
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)
     return freqs / scaling.factor * ramp + freqs * (1 - ramp)
 
 
@@ -96,13 +104,15 @@ def rope_attention_factor(scaling) -> float:
     if scaling is None or scaling.type != "yarn":
         return 1.0
     if scaling.mscale and scaling.mscale_all_dim:
-        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+        return (yarn_mscale(scaling.factor, scaling.mscale)
+                / yarn_mscale(scaling.factor, scaling.mscale_all_dim))
     return yarn_mscale(scaling.factor)
 
 
 def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor,
                  factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [batch, seq] -> cos, sin [batch, seq, head_dim], times `factor` (rope_attention_factor)."""
+    """positions [batch, seq] -> cos, sin [batch, seq, head_dim], times `factor`
+    (rope_attention_factor)."""
     angles = positions[..., None].float() * freqs
     angles = torch.cat([angles, angles], dim=-1)
     if factor == 1.0:
@@ -110,7 +120,8 @@ def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor,
     return angles.cos() * factor, angles.sin() * factor
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool = False) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; cos, sin: [batch, seq, head_dim] (both halves alike).
 
     Each pair (x[i], x[i + head_dim/2]) turns by its angle, as a complex product in float32 (fewer,
@@ -132,7 +143,8 @@ class _Rotate(torch.autograd.Function):
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         grad = _turn(grad, cos, -sin, False)
-        if ctx.interleaved:  # back to the input's layout: the halves' elements at even and odd places
+        # back to the input's layout: the halves' elements at even and odd places
+        if ctx.interleaved:
             grad = grad.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
         return grad, None, None, None
 
@@ -146,9 +158,9 @@ def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings, heads `head_dim` wide. `qk_norm` (Qwen3): each
-    head's queries and keys pass an RMSNorm over the head dimension (one weight shared by the heads)
-    before the rotation."""
+    """Grouped-query attention with rotary embeddings, heads `head_dim` wide. `qk_norm` (Qwen3):
+    each head's queries and keys pass an RMSNorm over the head dimension (one weight shared by the
+    heads) before the rotation."""
 
     def __init__(self, cfg: ModelConfig, head_dim: int, qk_norm: bool = False):
         super().__init__()
@@ -199,8 +211,8 @@ class TransformerBlock(nn.Module):
 class Decoder(nn.Module):
     """The frame of a decoder: embedding, blocks (TransformerBlock), final norm, output head (an
     LMHead). A family's model subclasses it, saying what block `layer` holds (`make_attention`,
-    `make_feed_forward`) and which parameters write into the residual stream (`residual_outputs`: name
-    endings, scaled down with depth at initialisation)."""
+    `make_feed_forward`) and which parameters write into the residual stream (`residual_outputs`:
+    name endings, scaled down with depth at initialisation)."""
 
     residual_outputs: tuple[str, ...] = ("attention.wo.weight", "feed_forward.w2.weight")
 
@@ -210,7 +222,8 @@ class Decoder(nn.Module):
         self.n_layers = cfg.n_layers
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({
-            str(i): TransformerBlock(cfg.dim, cfg.norm_eps, self.make_attention(cfg, i), self.make_feed_forward(cfg, i))
+            str(i): TransformerBlock(cfg.dim, cfg.norm_eps, self.make_attention(cfg, i),
+                                     self.make_feed_forward(cfg, i))
             for i in range(cfg.n_layers)
         })
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -253,8 +266,8 @@ class Decoder(nn.Module):
 
 
 def moe_block_regions(block: TransformerBlock) -> list[nn.Module]:
-    """A block with an MoE layer, in the parts selective checkpointing takes each on its own when the
-    experts are an FSDP unit of their own: attention, the experts, the shared experts (a block
+    """A block with an MoE layer, in the parts selective checkpointing takes each on its own when
+    the experts are an FSDP unit of their own: attention, the experts, the shared experts (a block
     without one: the whole block)."""
     moe = block.feed_forward
     if not isinstance(moe, MoE):

@@ -30,8 +30,9 @@ IGNORE_INDEX = -100  # labels to leave out of the loss (F.cross_entropy's defaul
 class LMHead(nn.Linear):
     """The output projection [dim -> vocabulary], without bias. `forward(h)` returns the logits;
     `forward(h, labels)` the mean cross-entropy over the labels that are not IGNORE_INDEX, with the
-    logits computed `chunk_tokens` tokens at a time. None: the plain loss, F.cross_entropy on the whole
-    logits (under loss parallel, where those are split on the vocabulary: all tokens in one chunk)."""
+    logits computed `chunk_tokens` tokens at a time. None: the plain loss, F.cross_entropy on the
+    whole logits (under loss parallel, where those are split on the vocabulary: all tokens in one
+    chunk)."""
 
     def __init__(self, dim: int, vocab_size: int, chunk_tokens: int | None = 2048, **kwargs):
         super().__init__(dim, vocab_size, bias=False, **kwargs)
@@ -41,20 +42,22 @@ class LMHead(nn.Linear):
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         weight, group = self.weight, None
-        if isinstance(weight, DTensor):  # tensor parallel: this rank's rows, and the group sharing them
+        # tensor parallel: this rank's rows, and the group sharing them
+        if isinstance(weight, DTensor):
             if weight.placements[0] == Shard(0):
                 group = weight.device_mesh.get_group()
             weight = weight.to_local()
         if labels is None:
-            return F.linear(h, weight)  # this rank's vocabulary shard of the logits under tensor parallel
+            # this rank's vocabulary shard of the logits under tensor parallel
+            return F.linear(h, weight)
         if self.chunk_tokens is None and group is None:  # the plain loss, on whole logits
             return F.cross_entropy(F.linear(h, weight).flatten(0, -2).float(), labels.flatten(),
                                    reduction="sum" if self.summed else "mean")
         chunk = self.chunk_tokens or labels.numel()
         # (Function.forward runs without grad mode: whether gradients are wanted is decided here.)
         grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk, group, grads,
-                                        self.compiled, self.summed)
+        return LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk, group,
+                                        grads, self.compiled, self.summed)
 
 
 def set_loss_chunk(model: nn.Module, tokens: int | None, compiled: bool = False) -> None:
@@ -67,8 +70,9 @@ def set_loss_chunk(model: nn.Module, tokens: int | None, compiled: bool = False)
 
 
 def sum_token_losses(model: nn.Module) -> None:
-    """Every LMHead of `model` returns the sum of its token losses, not their mean: the trainer divides
-    by the step's supervised tokens over every rank and microbatch (trainer.run.passes.supervised_scale)."""
+    """Every LMHead of `model` returns the sum of its token losses, not their mean: the trainer
+    divides by the step's supervised tokens over every rank and microbatch
+    (trainer.run.passes.supervised_scale)."""
     for module in model.modules():
         if isinstance(module, LMHead):
             module.summed = True
@@ -84,16 +88,16 @@ def _lse_and_target(logits: torch.Tensor, local: torch.Tensor, here: torch.Tenso
 
 def _loss_gradient(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, here: torch.Tensor,
                    valid: torch.Tensor) -> torch.Tensor:
-    """d(sum of losses)/d(logits) = softmax - one_hot(label) on the valid rows, in the logits' dtype:
-    the form torch.compile fuses into one pass over the logits."""
+    """d(sum of losses)/d(logits) = softmax - one_hot(label) on the valid rows, in the logits'
+    dtype: the form torch.compile fuses into one pass over the logits."""
     columns = torch.arange(logits.shape[1], device=logits.device)
     label = (columns[None, :] == local[:, None]) & here[:, None]
     grad = (logits.float() - lse[:, None]).exp() - label.float()
     return torch.where(valid[:, None], grad, 0.0).to(logits.dtype)
 
 
-def _loss_gradient_in_place(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, here: torch.Tensor,
-                            valid: torch.Tensor) -> torch.Tensor:
+def _loss_gradient_in_place(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor,
+                            here: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """The same in place of fp32 logits: uncompiled, no second [chunk, vocabulary] tensor."""
     grad = logits.sub_(lse[:, None]).exp_()
     grad[torch.arange(len(local), device=grad.device), local] -= here.float()
@@ -121,18 +125,21 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, group,
                 want_grads: bool, compiled: bool = False, summed: bool = False) -> torch.Tensor:
         tokens, vocab = h.shape[0], weight.shape[0]
-        first = dist.get_rank(group) * vocab if group is not None else 0  # this shard's first vocabulary id
+        # this shard's first vocabulary id
+        first = dist.get_rank(group) * vocab if group is not None else 0
         local = labels - first
         here = (local >= 0) & (local < vocab)
         local = torch.where(here, local, 0)
         valid = labels != IGNORE_INDEX
         count = valid.sum()
-        lse_and_target, loss_gradient = ((_compiled(_lse_and_target), _compiled(_loss_gradient)) if compiled
+        lse_and_target, loss_gradient = ((_compiled(_lse_and_target), _compiled(_loss_gradient))
+                                         if compiled
                                          else (_lse_and_target, _loss_gradient_in_place))
         lse = torch.empty(tokens, dtype=torch.float32, device=h.device)
         target = torch.empty(tokens, dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_grads else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grads else None
+        grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grads
+                  else None)
         for start in range(0, tokens, chunk):
             end = min(start + chunk, tokens)
             x, rows = h[start:end], slice(start, end)
@@ -141,13 +148,15 @@ class LinearCrossEntropy(torch.autograd.Function):
                 logits = logits.float()  # (and the compute dtype's copy freed)
             chunk_lse, target[rows] = lse_and_target(logits, local[rows], here[rows])
             if group is not None:  # the log-sum-exp over the whole vocabulary, from every shard's
-                shards = torch.empty(dist.get_world_size(group) * (end - start), dtype=torch.float32, device=h.device)
+                shards = torch.empty(dist.get_world_size(group) * (end - start),
+                                     dtype=torch.float32, device=h.device)
                 _all_gather(shards, chunk_lse, group)
                 chunk_lse = shards.view(-1, end - start).logsumexp(dim=0)
             lse[rows] = chunk_lse
             if want_grads:
                 # The mean's 1/count and the upstream gradient are applied in backward.
-                grad = loss_gradient(logits, chunk_lse, local[rows], here[rows], valid[rows]).to(h.dtype)
+                grad = loss_gradient(logits, chunk_lse, local[rows], here[rows], valid[rows])
+                grad = grad.to(h.dtype)
                 del logits
                 torch.mm(grad, weight, out=grad_h[rows])
                 _add_product(grad_w, grad.t(), x)
@@ -163,13 +172,17 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w, count = ctx.saved_tensors
-        scale = grad_loss.float() / count  # applied in fp32: a bf16 scale would bias every gradient alike
+        # applied in fp32: a bf16 scale would bias every gradient alike
+        scale = grad_loss.float() / count
         h_dtype, w_dtype = ctx.dtypes
-        # Out of place: a zero-bubble schedule runs this backward twice (input, then weight gradients).
-        return (grad_h.float() * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None, None, None, None
+        # Out of place: a zero-bubble schedule runs this
+        # backward twice (input, then weight gradients).
+        grads = (grad_h.float() * scale).to(h_dtype), (grad_w * scale).to(w_dtype)
+        return *grads, None, None, None, None, None, None
 
 
 def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
-    # torch 2.13 renames all_gather_into_tensor (and warns on the old name); older ones lack the new one.
+    # torch 2.13 renames all_gather_into_tensor (and warns
+    # on the old name); older ones lack the new one.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, tensor, group=group)

@@ -1,5 +1,6 @@
-"""Hugging Face tensor names (and config fields) of the shared building blocks, in transformers' Llama layout (which
-Mixtral, Qwen3 and Qwen3-MoE follow): our name -> theirs, for a family's `HFMapping.names`.
+"""Hugging Face tensor names (and config fields) of the shared building blocks, in transformers'
+Llama layout (which Mixtral, Qwen3 and Qwen3-MoE follow): our name -> theirs, for a family's
+`HFMapping.names`.
 
 Our attention rotates the two halves of each head ("rotate half") and lays heads out contiguously
 in the q/k/v rows, as transformers' Llama does, so q_proj and k_proj map over unchanged.
@@ -16,7 +17,8 @@ SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 def edge_names(cfg: ModelConfig) -> dict[str, str]:
     """The embedding, final norm and (untied) head."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
+             "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
     return names
@@ -33,7 +35,8 @@ def attention_names(i: int, qk_norm: bool = False) -> dict[str, str]:
         "ffn_norm.weight": "post_attention_layernorm.weight",
     }
     if qk_norm:
-        names |= {f"attention.{norm}.weight": f"self_attn.{norm}.weight" for norm in ("q_norm", "k_norm")}
+        names |= {f"attention.{norm}.weight": f"self_attn.{norm}.weight"
+                  for norm in ("q_norm", "k_norm")}
     return {f"layers.{i}.{a}": f"model.layers.{i}.{b}" for a, b in names.items()}
 
 
@@ -42,16 +45,19 @@ def swiglu_names(ours: str, theirs: str, projections: dict[str, str] = SWIGLU) -
     return {f"{ours}.{w}.weight": f"{theirs}.{hf}.weight" for w, hf in projections.items()}
 
 
-def expert_names(ours: str, theirs: str, n_experts: int, projections: dict[str, str] = SWIGLU) -> dict[str, list[str]]:
-    """Stacked experts at `ours` (GroupedExperts: w1/w2/w3 with a first experts dimension), one tensor
-    per expert and projection on disk at `theirs`.E.<projection>.weight, in stacking order."""
-    return {f"{ours}.{w}": [f"{theirs}.{e}.{hf}.weight" for e in range(n_experts)] for w, hf in projections.items()}
+def expert_names(ours: str, theirs: str, n_experts: int,
+                 projections: dict[str, str] = SWIGLU) -> dict[str, list[str]]:
+    """Stacked experts at `ours` (GroupedExperts: w1/w2/w3 with a first experts dimension), one
+    tensor per expert and projection on disk at `theirs`.E.<projection>.weight, in stacking
+    order."""
+    return {f"{ours}.{w}": [f"{theirs}.{e}.{hf}.weight" for e in range(n_experts)]
+            for w, hf in projections.items()}
 
 
 def head_dim_fields(hf: dict) -> dict:
     """A config.json's head width (Qwen3's attention), and a refusal of what the attention here does
     not do (sliding windows)."""
     if hf.get("use_sliding_window"):
-        raise ConfigError(f"config.json: use_sliding_window={hf['use_sliding_window']} is not supported "
-                          f"(full attention in every layer)")
+        raise ConfigError(f"config.json: use_sliding_window={hf['use_sliding_window']} is not "
+                          "supported (full attention in every layer)")
     return {"head_dim": hf.get("head_dim")}

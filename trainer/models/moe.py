@@ -1,4 +1,5 @@
-"""A sparse mixture-of-experts feed-forward layer (Mixtral, Qwen3-MoE, DeepSeek-V3 routing). Plain PyTorch.
+"""A sparse mixture-of-experts feed-forward layer (Mixtral, Qwen3-MoE, DeepSeek-V3 routing). Plain
+PyTorch.
 
 A router scores each token against every expert; the token goes to its `top_k` experts, weighted
 by their scores (`Routing`: softmax or sigmoid scores, renormalised and scaled, optionally chosen
@@ -74,7 +75,8 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     return out if rows is None else out[rows]
 
 
-def _align_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align_groups(x: torch.Tensor, counts: torch.Tensor,
+                  align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x's rows moved so that each expert's group starts at a multiple of `align`, zero rows between
     -> (padded x, the padded groups' sizes, the row each row of x went to). The padded length is a
     bound known without reading the counts (len(x) + n_experts * (align - 1)); the last group takes
@@ -84,7 +86,8 @@ def _align_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[to
     sizes = (counts + align - 1) // align * align
     sizes[-1] += size - sizes.sum()
     starts = sizes.cumsum(0) - sizes
-    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=len(x))
+    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts,
+                                     output_size=len(x))
     rows = starts[expert] + _index_in_group(expert, counts)
     return x.new_zeros(size, x.shape[1]).index_copy(0, rows, x), sizes, rows
 
@@ -98,8 +101,9 @@ def _expert_swiglu_loop(x, counts, w1, w2, w3) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, capacity_factor: float | None = None, routing: Routing = Routing(),
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int,
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 capacity_factor: float | None = None, routing: Routing = Routing(),
                  n_shared_experts: int = 0):
         super().__init__()
         self.top_k = top_k
@@ -110,7 +114,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, ffn_dim, n_experts)
         # Shared experts: one SwiGLU as wide as all of them, on every token.
         self.shared = FeedForward(dim, n_shared_experts * ffn_dim) if n_shared_experts else None
-        # Aux-loss-free balancing's bias: training state (checkpointed), moved by update_expert_biases.
+        # Aux-loss-free balancing's bias: training state
+        # (checkpointed), moved by update_expert_biases.
         if routing.bias or routing.bias_update_speed > 0:
             self.register_buffer("expert_bias", torch.zeros(n_experts))
         else:
@@ -127,7 +132,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        # Before the tokens are flattened: under tensor parallel the shared experts gather the sequence.
+        # Before the tokens are flattened: under tensor
+        # parallel the shared experts gather the sequence.
         shared = self.shared(x) if self.shared is not None else None
         x = x.reshape(-1, shape[-1])
         n_experts = self.router.out_features
@@ -136,13 +142,15 @@ class MoE(nn.Module):
 
         out, routed, counts = self.dispatch(x, chosen, weights.to(x.dtype))
 
-        # Switch/Mixtral: n_experts * sum_e (share of slots routed to e) * (mean router probability of e).
-        # The shares are the whole batch's; each rank's mean probability is its share of the batch
-        # mean, which the gradient averaging over ranks completes. Sigmoid scores are normalised per token.
+        # Switch/Mixtral: n_experts * sum_e (share of slots routed to e) * (mean router probability
+        # of e). The shares are the whole batch's; each rank's mean probability is its share of the
+        # batch mean, which the gradient averaging over ranks
+        # completes. Sigmoid scores are normalised per token.
         probs = scores if self.routing.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         share = self.batch_counts(routed.float())
         balance = n_experts * (share / share.sum() * self.top_k * probs.mean(0)).sum()
-        aux = self.aux_loss_coef * balance + self.z_loss_coef * logits.logsumexp(dim=-1).square().mean()
+        aux = (self.aux_loss_coef * balance
+               + self.z_loss_coef * logits.logsumexp(dim=-1).square().mean())
         stats = (routed.detach().float(), balance.detach(), (routed - counts).sum().detach())
         out = _AttachAuxLoss.apply(out, aux, self, stats).view(shape)
         return out if shared is None else out + shared
@@ -167,8 +175,8 @@ class MoE(nn.Module):
             token, counts, ran = order // self.top_k, routed, routed
         else:
             capacity = self.capacity(n_tokens, n_experts)
-            token, slot_weights, counts = _fill_capacity(order // self.top_k, slots[order], slot_weights, routed,
-                                                         capacity)
+            token, slot_weights, counts = _fill_capacity(order // self.top_k, slots[order],
+                                                         slot_weights, routed, capacity)
             ran = routed.clamp(max=capacity)
         y = self.experts(x[token], counts) * slot_weights[:, None]
         return torch.zeros_like(x).index_add(0, token, y), routed, ran
@@ -178,16 +186,18 @@ class MoE(nn.Module):
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / n_experts)
 
 
-def _fill_capacity(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, routed: torch.Tensor,
+def _fill_capacity(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
+                   routed: torch.Tensor,
                    capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each expert gets exactly `capacity` slots: its first ones in token order, then padding (token
     0 at weight 0, which adds exactly nothing). Slots are given in expert order with their token,
-    expert and weight; returns the (token, weight) of every expert's `capacity` slots and the counts.
-    Shapes depend only on the capacity, so nothing waits for the routing's counts."""
+    expert and weight; returns the (token, weight) of every expert's `capacity` slots and the
+    counts. Shapes depend only on the capacity, so nothing waits for the routing's counts."""
     n_experts = len(routed)
     rank_in_expert = _index_in_group(expert, routed)
     # Slots over the capacity go to one extra place past the end, cut off below.
-    place = torch.where(rank_in_expert < capacity, expert * capacity + rank_in_expert, n_experts * capacity)
+    place = torch.where(rank_in_expert < capacity, expert * capacity + rank_in_expert,
+                        n_experts * capacity)
     filled_token = token.new_zeros(n_experts * capacity + 1).scatter_(0, place, token)
     filled_weight = weight.new_zeros(n_experts * capacity + 1).scatter(0, place, weight)
     counts = torch.full((n_experts,), capacity, dtype=torch.long, device=token.device)
@@ -231,11 +241,14 @@ def update_expert_biases(parts: list[nn.Module], microbatches: int, skip: torch.
     the even load, down for an expert that took more than its layer's mean of the step's slots, up
     for one that took fewer. The load is the whole batch's (each layer's last `microbatches`
     records, summed over the ranks that route different tokens in one all-reduce for every layer),
-    so every rank moves its copy alike. Nothing moves on a skipped step (`skip` 1.0). No host sync."""
-    layers = [layer for part in parts for layer in moe_layers(part) if layer.routing.bias_update_speed > 0]
+    so every rank moves its copy alike. Nothing moves on a skipped step (`skip` 1.0). No host
+    sync."""
+    layers = [layer for part in parts for layer in moe_layers(part)
+              if layer.routing.bias_update_speed > 0]
     if not layers:
         return
-    load = torch.stack([sum(record[0] for record in layer.routing_records[-microbatches:]) for layer in layers])
+    load = torch.stack([sum(record[0] for record in layer.routing_records[-microbatches:])
+                        for layer in layers])
     load = layers[0].batch_counts(load)
     moves = torch.sign(load.mean(-1, keepdim=True) - load) * (1 - skip)
     for layer, move in zip(layers, moves):

@@ -16,7 +16,8 @@ class Routing:
     `score`: softmax | sigmoid of the router's logits; the top_k are chosen from the scores plus
     the expert bias (when `bias`, or `bias_update_speed` > 0: it moves after each step) among the
     experts of the token's `top_groups` best groups of `n_groups` (a group's score: its two best
-    experts'); the chosen experts' scores, renormalised to sum to 1 if `norm`, times `scale`, weight their outputs."""
+    experts'); the chosen experts' scores, renormalised to sum to 1 if `norm`, times `scale`, weight
+    their outputs."""
 
     score: str = "softmax"
     norm: bool = True
@@ -28,9 +29,10 @@ class Routing:
 
 
 def choose_experts(logits: torch.Tensor, r: Routing, top_k: int,
-                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 router logits [tokens, n_experts] -> (scores, the chosen experts [tokens, top_k], their
-    weights). `bias` [n_experts]: aux-loss-free balancing's, added for the choice only."""
+                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+    """float32 router logits [tokens, n_experts] -> (scores, the chosen experts [tokens, top_k],
+    their weights). `bias` [n_experts]: aux-loss-free balancing's, added for the choice only."""
     scores = logits.softmax(dim=-1) if r.score == "softmax" else logits.sigmoid()
     choice = scores.detach() if bias is None else scores.detach() + bias
     if r.n_groups > 1:

@@ -1,5 +1,5 @@
-"""A model family as one object: what the parallel code, the checkpoint converters, the metrics and the
-config checks need to know about it, registered once under its `model.family` name.
+"""A model family as one object: what the parallel code, the checkpoint converters, the metrics and
+the config checks need to know about it, registered once under its `model.family` name.
 
 The parallel code names no module of any family: it asks the family's spec where its blocks, its
 embedding and its head are, and applies the tensor-parallel plan the spec writes as data.
@@ -24,7 +24,8 @@ class HFMapping:
     `config_fields(hf)`: the family's own ModelConfig fields from a config.json (the fields every
     decoder shares are read by trainer/checkpoint/hf.py); `config(cfg, common)`: a transformers
     config object, given those shared keyword arguments; `names(cfg)`: our weight name -> the
-    Hugging Face tensor, or for a tensor we stack (experts) the list of tensors in stacking order."""
+    Hugging Face tensor, or for a tensor we stack (experts) the list of tensors in stacking
+    order."""
 
     model_type: str
     architecture: str
@@ -34,7 +35,8 @@ class HFMapping:
 
 
 def tp_divides(cfg: ModelConfig) -> dict[str, int]:
-    """The shared decoder's widths tensor parallel splits: heads and key/value heads, the feed-forward."""
+    """The shared decoder's widths tensor parallel splits: heads and key/value heads, the
+    feed-forward."""
     return {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.ffn_dim}
 
 
@@ -43,8 +45,8 @@ class ModelSpec:
     """Everything particular to one model family.
 
     - `config`: its config class, ModelConfig or a dataclass subclass of it declaring the family's
-      own keys (set as model.<key>=..., checked like every key; a field made with trainer.config.schema.shape
-      is one a checkpoint must agree on).
+      own keys (set as model.<key>=..., checked like every key; a field made with
+      trainer.config.schema.shape is one a checkpoint must agree on).
     - `model`: the plain-PyTorch model class, built from its config; it defines `init_std(name)`.
       `forward(tokens, positions=None, labels=None)` accepts a stage's inputs (hidden states when it
       has no embedding) and returns hidden states when it has no head; its output projection is an
@@ -54,7 +56,8 @@ class ModelSpec:
       (its modules together) are the pipeline and FSDP units, in that order. A stage keeps some of
       them and the others are set to None (removed from the ModuleDict), so parameter names stay
       those of the whole model.
-    - `tp_plan(cfg, sequence_parallel, loss_parallel)`: the tensor-parallel plan, module path (fnmatch
+    - `tp_plan(cfg, sequence_parallel, loss_parallel)`: the tensor-parallel plan, module path
+    (fnmatch
       patterns, as torch's parallelize_module takes them) -> ParallelStyle, for the whole model; the
       paths a pipeline stage lacks are left out when it is applied. `tp_divides(cfg)`: the keys
       whose values tensor parallel must divide.
@@ -62,11 +65,14 @@ class ModelSpec:
     - `check(cfg)`: the family's config rules (ConfigError); `hf`: its Hugging Face mapping, None if
       it has none.
     - `block_kind(cfg, index)`: blocks of one kind hold the same parameters (DeepSeek-V3's first
-      blocks are dense, the others MoE): the memory plan builds one of each kind; by default all alike.
-    - `adamw_matrices`: the blocks' weight matrices that take AdamW under optim=muon (fnmatch patterns
+      blocks are dense, the others MoE): the memory plan builds one of each kind; by default all
+      alike.
+    - `adamw_matrices`: the blocks' weight matrices that take AdamW under optim=muon (fnmatch
+    patterns
       of parameter names; the others take Muon): the routers by default.
     - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
-      activation checkpointing when its experts are an FSDP unit of their own (None: the whole block).
+      activation checkpointing when its experts are an FSDP unit of their own (None: the whole
+      block).
     """
 
     family: str
@@ -133,4 +139,5 @@ def families() -> list[str]:
 
 def family_by_hf_type(model_type: str | None) -> ModelSpec | None:
     """The family whose Hugging Face `model_type` this is, if any."""
-    return next((s for s in _FAMILIES.values() if s.hf is not None and s.hf.model_type == model_type), None)
+    return next((s for s in _FAMILIES.values()
+                 if s.hf is not None and s.hf.model_type == model_type), None)

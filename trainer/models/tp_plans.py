@@ -1,7 +1,8 @@
 """Tensor-parallel plans (Megatron-style) for the shared building blocks, as data, and the styles
-they need beside torch's: the output head's (`LMHeadParallel`), a norm's (or a low-rank projection's)
-outside sequence parallel (`ReplicateParameters`), and a tensor every rank's heads share
-(`SumGradients`). A family's plan (its parallelize.py) is the union of the pieces its blocks use.
+they need beside torch's: the output head's (`LMHeadParallel`), a norm's (or a low-rank
+projection's) outside sequence parallel (`ReplicateParameters`), and a tensor every rank's heads
+share (`SumGradients`). A family's plan (its parallelize.py) is the union of the pieces its blocks
+use.
 
 Within a block, q/k/v and the SwiGLU gate/up projections are split by output (column-wise) and the
 attention output and down projections by input (row-wise), so each block needs one collective
@@ -14,7 +15,15 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -59,16 +68,16 @@ def attention_plan(sequence_parallel: bool) -> dict:
 
 
 def qk_norm_plan() -> dict:
-    """Under tensor parallel each rank holds its share of the heads: the q/k norms take their input as
-    split on the heads dimension (2 of [batch, seq, heads, head_dim]), so their replicated weight's
-    gradient is summed over the tp ranks."""
+    """Under tensor parallel each rank holds its share of the heads: the q/k norms take their input
+    as split on the heads dimension (2 of [batch, seq, heads, head_dim]), so their replicated
+    weight's gradient is summed over the tp ranks."""
     return {f"layers.*.attention.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
             for norm in ("q_norm", "k_norm")}
 
 
 def feed_forward_plan(sequence_parallel: bool, path: str = "layers.*.feed_forward") -> dict:
-    """A SwiGLU feed-forward at `path`: the sequence gathered, gate and up column-wise, down row-wise
-    and reduced (reduce-scattered under sequence parallel) back."""
+    """A SwiGLU feed-forward at `path`: the sequence gathered, gate and up column-wise, down
+    row-wise and reduced (reduce-scattered under sequence parallel) back."""
     between = between_blocks(sequence_parallel)
     return {
         path: PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
@@ -80,10 +89,12 @@ def feed_forward_plan(sequence_parallel: bool, path: str = "layers.*.feed_forwar
 
 def moe_plan(sequence_parallel: bool, path: str = "layers.*.feed_forward") -> dict:
     """An MoE layer at `path`: each tp rank routes its own slice of the sequence (see
-    trainer/parallel/expert_parallel.py); its shared experts, if any, are a feed-forward on every token."""
+    trainer/parallel/expert_parallel.py); its shared experts, if any, are a feed-forward on every
+    token."""
     between = between_blocks(sequence_parallel)
     return {
-        path: PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(between,), use_local_output=True),
+        path: PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(between,),
+                                 use_local_output=True),
         **feed_forward_plan(sequence_parallel, f"{path}.shared"),
     }
 
@@ -94,7 +105,8 @@ class SumGradients(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def output_fn(mod, output, mesh):
-            # A replicated tensor whose gradient is a partial sum on each rank: all-reduced in backward.
+            # A replicated tensor whose gradient is a partial
+            # sum on each rank: all-reduced in backward.
             shared = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
             return shared.to_local(grad_placements=[Partial()])
 
@@ -117,8 +129,8 @@ class ReplicateParameters(ParallelStyle):
 
 
 class LMHeadParallel(ParallelStyle):
-    """The output head with its loss (an LMHead) on the tp mesh. Its input, the hidden states laid out
-    as `input_layout` (Shard(1) under sequence parallel), is gathered whole on every rank. With
+    """The output head with its loss (an LMHead) on the tp mesh. Its input, the hidden states laid
+    out as `input_layout` (Shard(1) under sequence parallel), is gathered whole on every rank. With
     `vocab_parallel` its weight is split on the vocabulary (each rank computes its shard's logits;
     the input's gradient is a partial sum, reduced by the layout), else replicated (each rank
     computes the whole loss)."""
@@ -132,7 +144,8 @@ class LMHeadParallel(ParallelStyle):
 
         def partition(name, mod, mesh):
             for key, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [placement])))
+                mod.register_parameter(key,
+                                       nn.Parameter(distribute_tensor(param, mesh, [placement])))
 
         def gather_input(mod, inputs, mesh):
             h, *rest = inputs

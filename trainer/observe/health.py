@@ -1,10 +1,10 @@
-"""Straggler detection. A job with collectives is as fast as its slowest rank, so every rank times its
-own work each step, in three phases: `data` (the step's start until its batch is ready: host wall
-time), `forward_backward` and `optimizer`. On a CPU those two are the process's CPU time, which a rank
-waiting for another in a gloo collective does not spend: its own work, its waits left out. On a GPU
-they are CUDA events on the compute stream, read only at the exchange (no synchronisation per step);
-there a rank's waits inside NCCL collectives are counted in, so where ranks step in lockstep (FSDP,
-TP) a slow GPU shows in its optimizer step, the work it does alone.
+"""Straggler detection. A job with collectives is as fast as its slowest rank, so every rank times
+its own work each step, in three phases: `data` (the step's start until its batch is ready: host
+wall time), `forward_backward` and `optimizer`. On a CPU those two are the process's CPU time, which
+a rank waiting for another in a gloo collective does not spend: its own work, its waits left out. On
+a GPU they are CUDA events on the compute stream, read only at the exchange (no synchronisation per
+step); there a rank's waits inside NCCL collectives are counted in, so where ranks step in lockstep
+(FSDP, TP) a slow GPU shows in its optimizer step, the work it does alone.
 
 Every `metrics.health_every` steps, once `metrics.slow_rank_window` steps are timed, rank 0 gathers
 each rank's median of the window per phase (three numbers a rank, one small gloo gather, nothing on
@@ -41,7 +41,8 @@ class SlowRank:
     ratio: float  # its step over the median rank's, were nobody waiting for anybody
 
     def as_record(self) -> dict:
-        return {"rank": self.rank, "host": self.host, "phase": self.phase, "ratio": round(self.ratio, 3)}
+        return {"rank": self.rank, "host": self.host, "phase": self.phase,
+                "ratio": round(self.ratio, 3)}
 
 
 def slowdowns(figures: list[list[float]], stages: list[int]) -> list[tuple[float, str]]:
@@ -121,7 +122,8 @@ class RankHealth(StepPart):
 
     def own_figures(self) -> list[float]:
         """This rank's median over the window of each phase, in seconds: of the steps the device has
-        finished (on a GPU, the newest may be in flight: they are left out rather than waited for)."""
+        finished (on a GPU, the newest may be in flight: they are left out rather than waited
+        for)."""
         done = [entry for entry in self.steps if self.clock.done(entry[2][3])]
         if not done:  # nothing to say this time (NaN: left out of the comparison)
             return [math.nan] * len(PHASES)
@@ -146,15 +148,17 @@ class RankHealth(StepPart):
         for rank, s in slow.items():
             if rank not in self.slow:
                 seconds = figures[rank][PHASES.index(s.phase)]
-                self.log(f"health: rank {rank} on {s.host} is slow: its step {s.ratio:.2f}x the median rank's over "
-                         f"steps {first}-{last}, most in {s.phase} ({seconds * 1000:.1f} ms a step)")
+                self.log(f"health: rank {rank} on {s.host} is slow: its step {s.ratio:.2f}x the "
+                         f"median rank's over steps {first}-{last}, most in {s.phase} "
+                         f"({seconds * 1000:.1f} ms a step)")
         for rank in self.slow.keys() - slow.keys():
-            self.log(f"health: rank {rank} on {self.hosts[rank]} is back within {self.threshold}x of the median "
-                     f"(steps {first}-{last})")
+            self.log(f"health: rank {rank} on {self.hosts[rank]} is back within {self.threshold}x "
+                     f"of the median (steps {first}-{last})")
         self.slow = slow
 
     def record(self) -> dict:
         if self.rank != 0 or self.ratio is None:
             return {}
         return {"slow_ranks": [s.as_record() for s in self.slow.values()],
-                "slowest_rank_ratio": round(self.ratio, 3), "health_exchange_ms": round(self.exchange_ms, 3)}
+                "slowest_rank_ratio": round(self.ratio, 3),
+                "health_exchange_ms": round(self.exchange_ms, 3)}

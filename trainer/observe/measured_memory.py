@@ -48,7 +48,8 @@ class TensorMemory(TorchDispatchMode):
         self.peak = self.live
 
     def _count(self, t: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(t):  # a DTensor, a float8 tensor: the tensors inside hold the bytes
+        # a DTensor, a float8 tensor: the tensors inside hold the bytes
+        if is_traceable_wrapper_subclass(t):
             for inner in (getattr(t, name) for name in t.__tensor_flatten__()[0]):
                 if isinstance(inner, torch.Tensor):
                     self._count(inner)
@@ -59,7 +60,8 @@ class TensorMemory(TorchDispatchMode):
         key = id(storage)
         if key in self._sizes:
             return
-        # torch keeps one Python object per live storage, so its weak reference dies with the storage.
+        # torch keeps one Python object per live storage,
+        # so its weak reference dies with the storage.
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
         self._sizes[key] = 0
         self._resized(key, storage.nbytes())
@@ -108,7 +110,8 @@ class TensorMemory(TorchDispatchMode):
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """The process's peak: CUDA's reserved bytes (what the allocator held), or the CPU's peak RSS."""
+    """The process's peak: CUDA's reserved bytes (what the allocator held), or the CPU's peak
+    RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) / GIB
     # Peak resident set size of this process (kilobytes on Linux).
@@ -127,12 +130,13 @@ class MemoryFigures(StepPart):
     steady state: the optimizer's state exists from the first update on, and a step then holds it
     beside the activations and gradients), validations and checkpoints included on a GPU.
 
-    On the CPU, live tensors are counted from here (the model's `parameters` first, then all the steps
-    make) through the first COUNTED_STEPS steps after `first_step`; blocks run eagerly while counted,
-    so a compiled run forgets dynamo's skipped frames then (`on_compiled_again`: the watchdog lets
-    the next step compile)."""
+    On the CPU, live tensors are counted from here (the model's `parameters` first, then all the
+    steps make) through the first COUNTED_STEPS steps after `first_step`; blocks run eagerly while
+    counted, so a compiled run forgets dynamo's skipped frames then (`on_compiled_again`: the
+    watchdog lets the next step compile)."""
 
-    def __init__(self, device: torch.device, parameters, first_step: int, compiled: bool, on_compiled_again):
+    def __init__(self, device: torch.device, parameters, first_step: int, compiled: bool,
+                 on_compiled_again):
         self.device = device
         self.tracker = TensorMemory() if device.type == "cpu" else None
         if self.tracker is not None:
@@ -163,7 +167,8 @@ class MemoryFigures(StepPart):
             self.on_compiled_again()
 
     def figures(self) -> dict:
-        return {"mem_gib": peak_memory_gib(self.device), "mem_tensor_gib": peak_tensor_gib(self.device, self.tracker),
+        return {"mem_gib": peak_memory_gib(self.device),
+                "mem_tensor_gib": peak_tensor_gib(self.device, self.tracker),
                 "mem_since_step": self.since}
 
     def record(self) -> dict:

@@ -20,12 +20,14 @@ from trainer.step_parts import StepPart
 from trainer.tensors import local_tensor
 
 GIB = 2**30
-MAX_ENTRIES = 2_000_000  # allocator events kept: two steps of a large model hold a few hundred thousand
+# allocator events kept: two steps of a large model hold a few hundred thousand
+MAX_ENTRIES = 2_000_000
 
 
 def _record_history(enabled: bool) -> None:
     # torch.cuda.memory's history recorder and snapshot are documented but still underscored (2.13).
-    torch.cuda.memory._record_memory_history("all" if enabled else None, stacks="python", max_entries=MAX_ENTRIES)
+    torch.cuda.memory._record_memory_history("all" if enabled else None, stacks="python",
+                                             max_entries=MAX_ENTRIES)
 
 
 def _snapshot() -> dict:
@@ -34,9 +36,10 @@ def _snapshot() -> dict:
 
 def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, int, list[dict]]:
     """(peak bytes, the trace event index after which it was reached, the blocks live then) from an
-    allocator snapshot: its live blocks at the end walked back through the recorded trace. A block is
-    {"address", "size", "frames"} (frames: [] when allocated before recording began)."""
-    live = {b["address"]: {"address": b["address"], "size": b["size"], "frames": b.get("frames", [])}
+    allocator snapshot: its live blocks at the end walked back through the recorded trace. A block
+    is {"address", "size", "frames"} (frames: [] when allocated before recording began)."""
+    live = {b["address"]: {"address": b["address"], "size": b["size"],
+                           "frames": b.get("frames", [])}
             for segment in snapshot["segments"] if segment.get("device", device) == device
             for b in _blocks(segment) if b["state"] == "active_allocated"}
     trace = snapshot["device_traces"][device] if snapshot["device_traces"] else []
@@ -64,7 +67,8 @@ def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, int, list[dict]]
 def side_stream_bytes(snapshot: dict, device: int = 0) -> int:
     """Bytes the allocator holds for streams other than the default one (stream 0): memory that
     only work on those streams can use. FSDP's communication streams should hold little of it."""
-    return sum(s["total_size"] for s in snapshot["segments"] if s.get("device", device) == device and s["stream"] != 0)
+    return sum(s["total_size"] for s in snapshot["segments"] if s.get("device", device) == device
+               and s["stream"] != 0)
 
 
 def _blocks(segment: dict):
@@ -79,7 +83,8 @@ def origin(frames: list[dict]) -> str:
     innermost of torch's (the allocating library call), or "-" when no stack was recorded."""
     ours = next((f for f in frames if "/trainer/" in f["filename"]), None)
     torch_frame = next((f for f in frames if "/torch/" in f["filename"]), None)
-    named = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in (ours, torch_frame) if f is not None]
+    named = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in (ours, torch_frame)
+             if f is not None]
     return " <- ".join(named) or (f"{frames[0]['filename']}:{frames[0]['line']}" if frames else "-")
 
 
@@ -88,7 +93,8 @@ def report(snapshot: dict, known: dict[str, list[torch.Tensor]], device: int = 0
     `known`'s tensors (name -> tensors, e.g. the weights) is counted under that name."""
     peak, at, blocks = live_at_peak(snapshot, device)
     # (a CUDA device's addresses and the host's never overlap: every tensor can be looked up)
-    starts = [(t.data_ptr(), name) for name, tensors in known.items() for t in tensors if t is not None]
+    starts = [(t.data_ptr(), name) for name, tensors in known.items() for t in tensors
+              if t is not None]
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for block in blocks:
         start, end = block["address"], block["address"] + block["size"]
@@ -106,17 +112,20 @@ def known_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     """What the report names blocks allocated before recording by: this rank's weights and
     optimizer state (gradients are allocated in each step's backward, so recorded)."""
     return {"weights": lambda: [local_tensor(p) for p in model.parameters()],
-            "optimizer state": lambda: [local_tensor(v) for state in optimizer.state.values() for v in state.values()
+            "optimizer state": lambda: [local_tensor(v) for state in optimizer.state.values()
+                                        for v in state.values()
                                         if isinstance(v, torch.Tensor)]}
 
 
 class MemorySnapshot(StepPart):
-    """Records the CUDA allocator from the start of step `step - 1` (or `step`) to the end of `step`;
-    `known` maps names to a callable giving the tensors to name in the report (known_tensors)."""
+    """Records the CUDA allocator from the start of step `step - 1` (or `step`) to the end of
+    `step`; `known` maps names to a callable giving the tensors to name in the report
+    (known_tensors)."""
 
     def __init__(self, step: int, output_dir: str, rank: int, device: torch.device, known: dict):
         self.step = step
-        self.folder, self.rank, self.device, self.known = Path(output_dir) / "memory", rank, device, known
+        self.folder, self.rank, self.device, self.known = (Path(output_dir) / "memory", rank,
+                                                           device, known)
         self.recording = False
 
     def start_step(self, step: int) -> None:

@@ -33,10 +33,10 @@ def peak_tflops(device: torch.device, setting) -> float | None:
 class Throughput:
     """Tokens per second and MFU of the whole job over the steps since `reset`."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float | None, world_size: int,
-                 step: int, final_step: int):
-        self.tokens_per_step, self.flops, self.peak, self.world_size = (tokens_per_step, flops_per_token,
-                                                                        peak_tflops, world_size)
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float | None,
+                 world_size: int, step: int, final_step: int):
+        self.tokens_per_step, self.flops = tokens_per_step, flops_per_token
+        self.peak, self.world_size = peak_tflops, world_size
         self.final_step = final_step  # the time left is counted to it
         self.start = time.perf_counter()
         self.reset(step)
@@ -47,10 +47,12 @@ class Throughput:
     def report(self, step: int) -> dict:
         now = time.perf_counter()
         tokens_per_s = self.tokens_per_step * (step - self.last_step) / (now - self.last_time)
-        mfu = None if self.peak is None else tokens_per_s * self.flops / (self.peak * 1e12 * self.world_size)
+        mfu = (None if self.peak is None
+               else tokens_per_s * self.flops / (self.peak * 1e12 * self.world_size))
         # The time left, at the rate since the last report.
         eta = (self.final_step - step) * (now - self.last_time) / (step - self.last_step)
-        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": now - self.start, "eta_s": eta}
+        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": now - self.start,
+                "eta_s": eta}
 
 
 class MetricsLogger:
@@ -58,12 +60,14 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, enabled: bool, wandb_cfg=None, config: dict | None = None,
                  start_step: int | None = 0, tensorboard: bool = False):
-        """A run resumed at `start_step` keeps the file's rows up to it (each step is in the file once),
-        and TensorBoard hides its later steps; a fresh run into a folder that has one moves it aside.
-        None: the step is not known yet (a replica group's, until its first quorum): `begin(step)` says it."""
+        """A run resumed at `start_step` keeps the file's rows up to it (each step is in the file
+        once), and TensorBoard hides its later steps; a fresh run into a folder that has one moves
+        it aside. None: the step is not known yet (a replica group's, until its first quorum):
+        `begin(step)` says it."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.speeds: list[tuple[float, float | None]] = []  # this run's logged tokens/s and MFU, for its summary
+        # this run's logged tokens/s and MFU, for its summary
+        self.speeds: list[tuple[float, float | None]] = []
         self.tensorboard = Path(output_dir) / "tensorboard" if enabled and tensorboard else None
         self.writer = None
         if start_step is not None:
@@ -73,7 +77,8 @@ class MetricsLogger:
             import wandb
 
             self.wandb = wandb.init(
-                project=wandb_cfg.project, mode=wandb_cfg.mode, dir=output_dir, config=config, reinit="finish_previous"
+                project=wandb_cfg.project, mode=wandb_cfg.mode, dir=output_dir, config=config,
+                reinit="finish_previous"
             )
 
     def begin(self, step: int) -> None:
@@ -82,11 +87,13 @@ class MetricsLogger:
         if self.tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            if step == 0 and any(self.tensorboard.glob("events.*")):  # an earlier run's curves, kept aside
+            # an earlier run's curves, kept aside
+            if step == 0 and any(self.tensorboard.glob("events.*")):
                 _move_aside(self.tensorboard, "tensorboard.before-{}", "events")
             # A resumed run's events after its step (written before it stopped) are purged from the
             # curves: each step shows once.
-            self.writer = SummaryWriter(str(self.tensorboard), purge_step=step + 1 if step else None)
+            self.writer = SummaryWriter(str(self.tensorboard),
+                                        purge_step=step + 1 if step else None)
 
     def _keep_until(self, step: int) -> None:
         if step == 0:
@@ -106,12 +113,14 @@ class MetricsLogger:
         self.speeds.append((record["tokens_per_s"], record["mfu"]))
         if self.writer is not None:
             for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if key not in ("step", "time") and number:
                     self.writer.add_scalar(key, value, record["step"], walltime=record["time"])
             self.writer.flush()
         print(format_record(record), flush=True)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+            self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"},
+                           step=record["step"])
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -26,7 +26,8 @@ class StepProfiler(StepPart):
     def start_step(self, step: int) -> None:
         """Called as `step` starts."""
         if step == self.step:
-            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
+            activities = ([ProfilerActivity.CPU, ProfilerActivity.CUDA] if self.cuda
+                          else [ProfilerActivity.CPU])
             self.running = profile(activities=activities, record_shapes=True)
             self.running.start()
 
@@ -40,6 +41,8 @@ class StepProfiler(StepPart):
         self.folder.mkdir(parents=True, exist_ok=True)
         self.running.export_chrome_trace(str(self.folder / f"rank_{self.rank}.json"))
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        table = self.running.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=70)
-        (self.folder / f"rank_{self.rank}.txt").write_text(f"step {step}, rank {self.rank}\n{table}\n")
+        table = self.running.key_averages().table(sort_by=sort, row_limit=60,
+                                                  max_name_column_width=70)
+        (self.folder / f"rank_{self.rank}.txt").write_text(f"step {step}, rank "
+                                                           f"{self.rank}\n{table}\n")
         self.running = None

@@ -9,7 +9,8 @@ from trainer.optim.spec import OptimizerInputs, OptimizerSpec, register_optimize
 
 def build(inputs: OptimizerInputs) -> torch.optim.Optimizer:
     cfg = inputs.cfg
-    return torch.optim.AdamW(inputs.groups, lr=inputs.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    return torch.optim.AdamW(inputs.groups, lr=inputs.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=True)
 
 
 ADAMW = register_optimizer(OptimizerSpec(name="adamw", build=build))

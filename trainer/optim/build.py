@@ -21,19 +21,23 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float, weight_deca
     `group_of` (global ranks -> their process group: ParallelDims.group_spanning)."""
     chosen = optimizer_of(optim)
     named = list(model.named_parameters())
-    apart = [p for name, p in named if spec is not None and chosen.apart is not None and chosen.apart(name, p, spec)]
+    apart = [p for name, p in named if spec is not None and chosen.apart is not None
+             and chosen.apart(name, p, spec)]
     ids = set(map(id, apart))
     # Norm weights and other 1-D parameters are not decayed.
     groups = [
         {"params": params, "weight_decay": weight_decay if params[0].ndim >= 2 else 0.0}
         for decayed in (True, False)
-        for params in by_mesh([p for _, p in named if (p.ndim >= 2) == decayed and id(p) not in ids])
+        for params in by_mesh([p for _, p in named if (p.ndim >= 2) == decayed
+                               and id(p) not in ids])
     ]
-    return chosen.build(OptimizerInputs(groups, apart, optim, lr, weight_decay, device, group_of or _no_groups))
+    return chosen.build(OptimizerInputs(groups, apart, optim, lr, weight_decay, device,
+                                        group_of or _no_groups))
 
 
 def _no_groups(ranks: tuple[int, ...]):
-    raise RuntimeError(f"the optimizer needs the process group of ranks {ranks}: pass build_optimizer a group_of")
+    raise RuntimeError(f"the optimizer needs the process group of ranks {ranks}: pass "
+                       "build_optimizer a group_of")
 
 
 def by_mesh(parameters: list) -> list[list]:

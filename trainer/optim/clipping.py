@@ -32,7 +32,8 @@ def clip_and_sum_loss_(parameters, max_norm: float, loss: torch.Tensor | None = 
     for p in parameters:
         grad = p.grad
         if isinstance(grad, DTensor):
-            copies = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if pl.is_replicate())
+            copies = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements)
+                               if pl.is_replicate())
             grad = grad.to_local()
         else:
             copies = world
@@ -41,19 +42,21 @@ def clip_and_sum_loss_(parameters, max_norm: float, loss: torch.Tensor | None = 
         torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2 / copies
         for copies, grads in by_copies.items()
     )
-    summed = squares if loss is None else torch.stack([squares, loss.detach().double().to(squares.device)])
+    summed = squares if loss is None else torch.stack([squares,
+                                                       loss.detach().double().to(squares.device)])
     if world > 1:
         dist.all_reduce(summed)
     total = summed.reshape(-1)[0].sqrt().float()
     if max_norm > 0:
-        scale_([g for grads in by_copies.values() for g in grads], (max_norm / (total + 1e-6)).clamp(max=1.0))
+        scale_([g for grads in by_copies.values() for g in grads],
+               (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total, (None if loss is None else summed[1])
 
 
 def scale_(local_grads: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiplies the gradients' local shards by `factor` in place (torch's clip_grads_with_norm_ arithmetic).
-    On the shards, not the DTensors: DTensor's sharding propagation for a foreach op over many
-    gradients on a 2-D mesh took 17 s in the first step of a 4-rank HSDP + EP run."""
+    """Multiplies the gradients' local shards by `factor` in place (torch's clip_grads_with_norm_
+    arithmetic). On the shards, not the DTensors: DTensor's sharding propagation for a foreach op
+    over many gradients on a 2-D mesh took 17 s in the first step of a 4-rank HSDP + EP run."""
     by_kind: dict = {}
     for grad in local_grads:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)

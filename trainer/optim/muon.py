@@ -30,14 +30,18 @@ from trainer.optim.muon_exchange import MatrixExchange, ns_flops
 from trainer.optim.spec import OptimizerInputs, OptimizerSpec, register_optimizer
 from trainer.tensors import local_tensor
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Keller Jordan's Muon and torch.optim.Muon
+# the quintic of Keller Jordan's Muon and torch.optim.Muon
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 # optim.muon.rms_match -> the update's scale for a rows x cols matrix.
 RMS_RULES: dict[str, Callable[[int, int], float]] = {
-    "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),  # Moonlight: AdamW's lr carries over
-    "original": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),  # Keller Jordan's: its own lr (~0.02)
+    # Moonlight: AdamW's lr carries over
+    "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
+    # Keller Jordan's: its own lr (~0.02)
+    "original": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
 }
-RULE_TEXT = {"match_rms_adamw": "0.2 x sqrt(max(rows, cols)), AdamW's RMS", "original": "sqrt(max(1, rows / cols))"}
+RULE_TEXT = {"match_rms_adamw": "0.2 x sqrt(max(rows, cols)), AdamW's RMS",
+             "original": "sqrt(max(1, rows / cols))"}
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -49,9 +53,10 @@ def ns_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 
 def orthogonalize(x: torch.Tensor, steps: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Matrices [..., rows, cols] -> Newton-Schulz's approximation of U V^T (x = U S V^T) for each, in
-    x's dtype. After 5 steps the singular values lie in [0.68, 1.14] (measured on Gaussian matrices
-    of aspect 3; bfloat16 [0.67, 1.15]), not at 1: the quintic is steep at 0 rather than convergent."""
+    """Matrices [..., rows, cols] -> Newton-Schulz's approximation of U V^T (x = U S V^T) for each,
+    in x's dtype. After 5 steps the singular values lie in [0.68, 1.14] (measured on Gaussian
+    matrices of aspect 3; bfloat16 [0.67, 1.15]), not at 1: the quintic is steep at 0 rather than
+    convergent."""
     y = x.reshape(-1, *x.shape[-2:]).to(dtype)
     tall = y.size(-2) > y.size(-1)
     if tall:  # iterate on the wide side: X X^T is the smaller square
@@ -68,16 +73,19 @@ def is_muon_matrix(name: str, p: torch.Tensor, blocks: str, excluded: tuple[str,
     """Whether parameter `name` takes Muon: a block's weight matrix (a stack of them: experts), not
     one of the family's `excluded` patterns (the routers)."""
     in_block = f".{blocks}." in f".{name}"
-    return in_block and p.ndim >= 2 and not any(fnmatch.fnmatch(name, pattern) for pattern in excluded)
+    return in_block and p.ndim >= 2 and not any(fnmatch.fnmatch(name, pattern)
+                                                for pattern in excluded)
 
 
 class Muon(torch.optim.Optimizer):
     """Muon over the first param group (`muon=True`), fused AdamW over the others. State: each Muon
-    matrix's `momentum_buffer`; AdamW's `step`, `exp_avg`, `exp_avg_sq` (torch.optim.AdamW's names)."""
+    matrix's `momentum_buffer`; AdamW's `step`, `exp_avg`, `exp_avg_sq` (torch.optim.AdamW's
+    names)."""
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_groups: list[dict], *, lr: float,
-                 weight_decay: float, betas: tuple[float, float], eps: float, momentum: float, nesterov: bool,
-                 ns_steps: int, ns_dtype: torch.dtype, rms_match: str, group_of: Callable):
+                 weight_decay: float, betas: tuple[float, float], eps: float, momentum: float,
+                 nesterov: bool, ns_steps: int, ns_dtype: torch.dtype, rms_match: str,
+                 group_of: Callable):
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, muon=False)
         groups = [{"params": muon_params, "muon": True}] if muon_params else []
@@ -98,8 +106,8 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon(self, group: dict, skip: torch.Tensor | None) -> None:
-        # Every matrix takes part each step (the exchange is a collective); no gradient counts as zero.
-        # The update is made in the gradient's memory, which the step is the last to read.
+        # Every matrix takes part each step (the exchange is a collective); no gradient counts as
+        # zero. The update is made in the gradient's memory, which the step is the last to read.
         params, mu, lr = group["params"], group["momentum"], group["lr"]
         keep = 1.0 if skip is None else 1 - skip
         updates = []
@@ -110,7 +118,8 @@ class Muon(torch.optim.Optimizer):
             buf = local_tensor(state["momentum_buffer"])
             grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(buf)
             if skip is not None:
-                grad.masked_fill_(skip.bool(), 0.0)  # a non-finite gradient must not reach the buffer
+                # a non-finite gradient must not reach the buffer
+                grad.masked_fill_(skip.bool(), 0.0)
             buf.lerp_(grad, keep * (1 - mu) if skip is not None else 1 - mu)
             updates.append(grad.lerp_(buf, mu) if group["nesterov"] else grad.copy_(buf))
         self.exchange.orthogonalize(updates, self._orthogonalize, updates)
@@ -132,38 +141,42 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-             [], [s["step"] for s in states], fused=True, found_inf=skip, decoupled_weight_decay=True,
-             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-             eps=group["eps"], maximize=False)
+        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+             [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True,
+             found_inf=skip, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
     def describe(self) -> str:
         """What takes Muon, what AdamW, and this rank's share of the work (one start-up line)."""
-        muon = self.param_groups[0]["params"] if self.param_groups and self.param_groups[0]["muon"] else []
+        muon = (self.param_groups[0]["params"] if self.param_groups and self.param_groups[0]["muon"]
+                else [])
         others = [p for g in self.param_groups if not g["muon"] for p in g["params"]]
         matrices = sum(math.prod(p.shape[:-2]) for p in muon)
         group = self.param_groups[0] if muon else self.defaults
         moved = self.exchange.elements_moved() * 4 / 2**20
-        return (f"optimizer: Muon for {matrices} block matrices ({sum(p.numel() for p in muon) / 1e6:.2f}M "
-                f"parameters; momentum {group['momentum']}{', Nesterov' if group['nesterov'] else ''}, "
-                f"{group['ns_steps']} Newton-Schulz steps in {str(self.ns_dtype).removeprefix('torch.')}, "
-                f"update RMS scaled by {self.rule}), AdamW for the {len(others)} others "
-                f"({sum(p.numel() for p in others) / 1e6:.2f}M: embedding, output, norms, biases, routers); "
-                f"this rank orthogonalises {self.exchange.matrices_here()} of them, sending {moved:.2f} MiB "
-                f"a step each way")
+        return (f"optimizer: Muon for {matrices} block matrices "
+                f"({sum(p.numel() for p in muon) / 1e6:.2f}M parameters; momentum "
+                f"{group['momentum']}{', Nesterov' if group['nesterov'] else ''}, "
+                f"{group['ns_steps']} Newton-Schulz steps in "
+                f"{str(self.ns_dtype).removeprefix('torch.')}, update RMS scaled by {self.rule}), "
+                f"AdamW for the {len(others)} others ({sum(p.numel() for p in others) / 1e6:.2f}M: "
+                "embedding, output, norms, biases, routers); this rank orthogonalises "
+                f"{self.exchange.matrices_here()} of them, sending {moved:.2f} MiB a step each way")
 
 
 @dataclass
 class MuonRules:
-    # The update's scale: match_rms_adamw (0.2 x sqrt(max(rows, cols)): training.lr and weight_decay as
-    # for AdamW) | original (sqrt(max(1, rows / cols)): Keller Jordan's Muon, its own learning rate).
+    # The update's scale: match_rms_adamw (0.2 x sqrt(max(rows, cols)): training.lr and weight_decay
+    # as for AdamW) | original (sqrt(max(1, rows / cols)):
+    # Keller Jordan's Muon, its own learning rate).
     rms_match: str = "match_rms_adamw"
 
 
 @dataclass
 class MuonConfig(OptimConfig):
     """optim=muon: the shared keys (beta1, beta2 and eps are its AdamW's), and Muon's own: momentum
-    and Nesterov, the Newton-Schulz steps and their dtype (auto: bfloat16 on CUDA, float32 elsewhere)."""
+    and Nesterov, the Newton-Schulz steps and their dtype (auto: bfloat16 on CUDA, float32
+    elsewhere)."""
 
     momentum: float = 0.95
     nesterov: bool = True
@@ -186,8 +199,9 @@ def check(cfg: MuonConfig) -> None:
 def build(inputs: OptimizerInputs) -> Muon:
     cfg = inputs.cfg
     return Muon(inputs.apart, inputs.groups, lr=inputs.lr, weight_decay=inputs.weight_decay,
-                betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                ns_steps=cfg.ns_steps, ns_dtype=ns_dtype(cfg.ns_dtype, inputs.device), rms_match=cfg.muon.rms_match,
+                betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.momentum,
+                nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+                ns_dtype=ns_dtype(cfg.ns_dtype, inputs.device), rms_match=cfg.muon.rms_match,
                 group_of=inputs.group_of)
 
 

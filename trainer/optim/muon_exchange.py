@@ -45,14 +45,16 @@ def sharing_ranks(p: torch.Tensor) -> tuple[int, ...]:
     if not isinstance(p, DTensor):
         return (dist.get_rank() if dist.is_initialized() else 0,)
     mesh, coordinate = p.device_mesh, p.device_mesh.get_coordinate()
-    # Not is_shard(): FSDP over tensor parallel places a _StridedShard, which is no Shard in torch 2.13.
-    index = tuple(c if placement.is_replicate() else slice(None) for placement, c in zip(p.placements, coordinate))
+    # Not is_shard(): FSDP over tensor parallel places
+    # a _StridedShard, which is no Shard in torch 2.13.
+    index = tuple(c if placement.is_replicate() else slice(None)
+                  for placement, c in zip(p.placements, coordinate))
     return tuple(mesh.mesh[index].flatten().tolist())
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:
-    """FLOPs of `steps` Newton-Schulz iterations on one rows x cols matrix (on the wide side: m <= n,
-    per step X X^T, then a m x m product, then the m x n update)."""
+    """FLOPs of `steps` Newton-Schulz iterations on one rows x cols matrix (on the wide side: m <=
+    n, per step X X^T, then a m x m product, then the m x n update)."""
     m, n = min(rows, cols), max(rows, cols)
     return steps * (4.0 * m * m * n + 2.0 * m**3)
 
@@ -67,7 +69,8 @@ class Unit:
 
 def units_of(params: list[torch.Tensor]) -> list[Unit]:
     """The matrices of `params`: one per index of their leading dimensions."""
-    return [Unit(i, index) for i, p in enumerate(params) for index in itertools.product(*map(range, p.shape[:-2]))]
+    return [Unit(i, index) for i, p in enumerate(params)
+            for index in itertools.product(*map(range, p.shape[:-2]))]
 
 
 def _piece(box: Box, unit: Unit) -> tuple[tuple[int, ...], slice, slice] | None:
@@ -78,7 +81,8 @@ def _piece(box: Box, unit: Unit) -> tuple[tuple[int, ...], slice, slice] | None:
     local = tuple(i - o for i, o in zip(unit.index, offset[:lead]))
     if any(not 0 <= i < s for i, s in zip(local, shape[:lead])) or shape[-1] == 0 or shape[-2] == 0:
         return None
-    rows, cols = slice(offset[-2], offset[-2] + shape[-2]), slice(offset[-1], offset[-1] + shape[-1])
+    rows, cols = (slice(offset[-2], offset[-2] + shape[-2]),
+                  slice(offset[-1], offset[-1] + shape[-1]))
     return local, rows, cols
 
 
@@ -92,10 +96,12 @@ class GroupExchange:
         self.shapes = [tuple(p.shape[-2:]) for p in params]
         boxes: list = [None] * self.n
         dist.all_gather_object(boxes, [my_box(p) for p in params], group=group)
-        self.boxes = [[boxes[r][i] for r in range(self.n)] for i in range(len(params))]  # [param][rank]
+        # [param][rank]
+        self.boxes = [[boxes[r][i] for r in range(self.n)] for i in range(len(params))]
         self.offsets = [b[self.me][0] for b in self.boxes]
         units = units_of(params)
-        holders = {u: [r for r in range(self.n) if _piece(self.boxes[u.param][r], u) is not None] for u in units}
+        holders = {u: [r for r in range(self.n) if _piece(self.boxes[u.param][r], u) is not None]
+                   for u in units}
         load = [0.0] * self.n
         self.local: list[Unit] = []  # the matrices this rank holds whole
         shared: list[Unit] = []
@@ -125,13 +131,17 @@ class GroupExchange:
 
     def _size(self, rank: int, unit: Unit) -> int:
         piece = _piece(self.boxes[unit.param][rank], unit)
-        return 0 if piece is None else (piece[1].stop - piece[1].start) * (piece[2].stop - piece[2].start)
+        return (0 if piece is None
+                else (piece[1].stop - piece[1].start) * (piece[2].stop - piece[2].start))
 
     def elements_moved(self) -> int:
-        """Elements this rank sends to other ranks per step, each way (the results come back alike)."""
-        return sum(self._size(self.me, u) for r, mine in enumerate(self.owned) if r != self.me for u in mine)
+        """Elements this rank sends to other ranks per step, each way (the results come back
+        alike)."""
+        return sum(self._size(self.me, u) for r, mine in enumerate(self.owned) if r != self.me
+                   for u in mine)
 
-    def orthogonalize(self, updates: list[torch.Tensor], apply: Callable[[torch.Tensor], torch.Tensor],
+    def orthogonalize(self, updates: list[torch.Tensor],
+                      apply: Callable[[torch.Tensor], torch.Tensor],
                       results: list[torch.Tensor]) -> None:
         """Writes apply(whole matrix) into `results` (local pieces, like `updates`; they may be the
         same tensors) for every matrix of the group: this rank's whole ones here, the shared ones on
@@ -145,7 +155,8 @@ class GroupExchange:
         sample = updates[0]
         send = [_at(updates, u, self.offsets).reshape(-1) for u in one.sent_units]
         received = sample.new_empty(sum(one.received))
-        dist.all_to_all_single(received, _cat(send, sample), one.received, one.sent, group=self.group)
+        dist.all_to_all_single(received, _cat(send, sample), one.received, one.sent,
+                               group=self.group)
         del send
         whole = [sample.new_zeros(self.shapes[u.param]) for u in one.owned[self.me]]
         for (_, k, rows, cols), chunk in zip(one.pieces, received.split(one.piece_sizes)):
@@ -155,7 +166,8 @@ class GroupExchange:
         del whole
         back = [done[k][rows, cols].reshape(-1) for _, k, rows, cols in one.pieces]
         returned = sample.new_empty(sum(one.sent))
-        dist.all_to_all_single(returned, _cat(back, sample), one.sent, one.received, group=self.group)
+        dist.all_to_all_single(returned, _cat(back, sample), one.sent, one.received,
+                               group=self.group)
         for u, chunk in zip(one.sent_units, returned.split(one.sent_sizes)):
             piece = _at(results, u, self.offsets)
             piece.copy_(chunk.view_as(piece))
@@ -172,11 +184,12 @@ class Round:
         self.sent_units = [u for r in ranks for u in owned[r] if exchange._size(me, u)]
         self.sent_sizes = [exchange._size(me, u) for u in self.sent_units]
         self.sent = [sum(exchange._size(me, u) for u in owned[r]) for r in ranks]
-        # In: every rank's pieces of this rank's matrices, by source (the results go back alike): the
-        # matrix (its index among this rank's) and the rows and columns of each.
+        # In: every rank's pieces of this rank's matrices, by source (the results go back alike):
+        # the matrix (its index among this rank's) and the rows and columns of each.
         self.pieces = [(r, k, piece[1], piece[2]) for r in ranks for k, u in enumerate(owned[me])
                        if (piece := _piece(exchange.boxes[u.param][r], u)) is not None]
-        self.piece_sizes = [(rows.stop - rows.start) * (cols.stop - cols.start) for _, _, rows, cols in self.pieces]
+        self.piece_sizes = [(rows.stop - rows.start) * (cols.stop - cols.start)
+                            for _, _, rows, cols in self.pieces]
         self.received = [sum(exchange._size(r, u) for u in owned[me]) for r in ranks]
 
 
@@ -208,9 +221,10 @@ def _cat(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else like.new_empty(0)
 
 
-def batched(apply: Callable[[torch.Tensor], torch.Tensor], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-    """apply() over `matrices`, those of one shape stacked into batches of at most ROUND_ELEMENTS (or
-    one matrix); in their order."""
+def batched(apply: Callable[[torch.Tensor], torch.Tensor],
+            matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """apply() over `matrices`, those of one shape stacked into batches of at most ROUND_ELEMENTS
+    (or one matrix); in their order."""
     out: list = [None] * len(matrices)
     by_shape: dict[tuple, list[int]] = {}
     for k, m in enumerate(matrices):
@@ -227,22 +241,27 @@ def batched(apply: Callable[[torch.Tensor], torch.Tensor], matrices: list[torch.
 class MatrixExchange:
     """Every Muon matrix of this rank, by the group of ranks that share it."""
 
-    def __init__(self, params: list[torch.Tensor], steps: int, group_of: Callable[[tuple[int, ...]], object]):
+    def __init__(self, params: list[torch.Tensor], steps: int,
+                 group_of: Callable[[tuple[int, ...]], object]):
         by_ranks: dict[tuple[int, ...], list[int]] = {}
         for k, p in enumerate(params):
             by_ranks.setdefault(sharing_ranks(p), []).append(k)
-        # In one order on every rank (sorted by the ranks), so no two groups' set-up collectives cross.
+        # In one order on every rank (sorted by the ranks),
+        # so no two groups' set-up collectives cross.
         self.parts = []
         for ranks in sorted(by_ranks):
             ks = by_ranks[ranks]
             group = group_of(ranks) if len(ranks) > 1 else None
-            if len(ranks) > 1 and group is None:  # each rank would orthogonalise its piece: a wrong update
-                raise RuntimeError(f"Muon: no process group spans ranks {list(ranks)}, which share parameters")
+            # each rank would orthogonalise its piece: a wrong update
+            if len(ranks) > 1 and group is None:
+                raise RuntimeError(f"Muon: no process group spans ranks {list(ranks)}, which share "
+                                   "parameters")
             exchange = GroupExchange([params[k] for k in ks], group, steps) if group is not None \
                 else LocalMatrices([params[k] for k in ks])
             self.parts.append((ks, exchange))
 
-    def orthogonalize(self, updates: list[torch.Tensor], apply, results: list[torch.Tensor]) -> None:
+    def orthogonalize(self, updates: list[torch.Tensor], apply,
+                      results: list[torch.Tensor]) -> None:
         for ks, exchange in self.parts:
             exchange.orthogonalize([updates[k] for k in ks], apply, [results[k] for k in ks])
 

@@ -20,7 +20,8 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
     return factor
 
 
-def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: float, start_step: int = 0):
+def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: float,
+                    start_step: int = 0):
     """The schedule from optimizer step `start_step` on (a resumed run's)."""
     factor = lr_lambda(warmup_steps, total_steps, min_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(start_step + step))

@@ -52,7 +52,8 @@ class OptimizerSpec:
     name: str
     build: Callable[[OptimizerInputs], torch.optim.Optimizer]
     config: type = OptimConfig  # OptimConfig, or a subclass declaring the keys of its own
-    check: Callable[[OptimConfig], None] = _no_rules  # its keys' rules: a ConfigError naming the key
+    # its keys' rules: a ConfigError naming the key
+    check: Callable[[OptimConfig], None] = _no_rules
     # The parameters it treats apart from the rest (name in the model, parameter, family): Muon's
     # block matrices. None: it treats every parameter alike.
     apart: Callable[[str, torch.Tensor, ModelSpec], bool] | None = None
@@ -82,8 +83,8 @@ def optimizers() -> list[str]:
 
 def optimizer_named(name: str) -> OptimizerSpec:
     if name not in _REGISTRY:
-        raise ConfigError(f"optim.name={name} is unknown; choose one of {optimizers()} (or register one in a module "
-                          f"`imports` names)")
+        raise ConfigError(f"optim.name={name} is unknown; choose one of {optimizers()} (or "
+                          "register one in a module `imports` names)")
     return _REGISTRY[name]
 
 
@@ -96,7 +97,8 @@ def state_bytes_bound(cfg: OptimConfig) -> float:
     """Bytes a parameter element costs at least: fp32 weight and gradient, and the smaller of its
     states (the search's first bound)."""
     spec = optimizer_of(cfg)
-    words = min(spec.state_words, spec.apart_state_words if spec.apart is not None else spec.state_words)
+    words = min(spec.state_words,
+                spec.apart_state_words if spec.apart is not None else spec.state_words)
     return 4.0 * (2 + words)
 
 

@@ -35,7 +35,8 @@ class ParallelOptions:
     loss_parallel: bool = True
     cp_method: str = "ring"
     float8_all_gather: bool = False  # FSDP gathers the float8 layers' weights in float8
-    float8_tp: bool = False  # tensor parallel casts the float8 layers' inputs before it gathers them
+    # tensor parallel casts the float8 layers' inputs before it gathers them
+    float8_tp: bool = False
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: ParallelOptions,
@@ -49,15 +50,16 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), options.cp_method)
     parallelize_moe(model, dims)
-    apply_activation_checkpoint(blocks, options.activation_checkpoint, options.activation_checkpoint_every,
+    apply_activation_checkpoint(blocks, options.activation_checkpoint,
+                                options.activation_checkpoint_every,
                                 regions=spec.checkpoint_regions if dims.ep_enabled else None,
                                 policy=options.selective_policy)
     if embedding is not None:
         # The embedding's output as a tensor of its own. It is a view (F.embedding's; under tensor
-        # parallel, DTensor.to_local's), and an in-place op on a view an FSDP unit returned would skip
-        # FSDP's pre-backward hook (torch warns of it on every run). Under compiled tensor parallel it
-        # is also a collective's pending result, past which a compiled block returns its gradient,
-        # lost to the embedding (torch 2.13).
+        # parallel, DTensor.to_local's), and an in-place op on a view an FSDP unit returned would
+        # skip FSDP's pre-backward hook (torch warns of it on every run). Under compiled tensor
+        # parallel it is also a collective's pending result, past which a compiled block returns its
+        # gradient, lost to the embedding (torch 2.13).
         embedding.register_forward_hook(lambda module, args, output: output.clone())
     if options.compile:
         for block in blocks.values():

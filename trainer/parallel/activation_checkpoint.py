@@ -16,7 +16,11 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 MODES = ("none", "full", "selective")
 POLICIES = ("half_mm", "ops")
@@ -73,7 +77,8 @@ def apply_activation_checkpoint(blocks: nn.ModuleDict, mode: str, every: int = 1
     options = {}
     if mode == "selective":
         options["context_fn"] = (_half_mm_contexts if policy == "half_mm"
-                                 else partial(create_selective_checkpoint_contexts, _keep_expensive))
+                                 else partial(create_selective_checkpoint_contexts,
+                                              _keep_expensive))
     for name, block in blocks.items():
         if mode == "full" and int(name) % every:
             continue

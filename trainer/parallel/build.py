@@ -30,12 +30,14 @@ from trainer.tensors import DTYPES, param_dtype
 class BuildOptions:
     model: ModelConfig
     parallel: ParallelOptions
-    stage_modules: list[list[str]]  # the module names of each pipeline stage (one stage: all of them)
+    # the module names of each pipeline stage (one stage: all of them)
+    stage_modules: list[list[str]]
     pp_schedule: str
     document_mask: bool = False
     seed: int = 0
     aux_loss_scale: float = 1.0  # the MoE auxiliary losses' gradient scale (see set_aux_loss_scale)
-    loss_chunk_tokens: int | None = 2048  # tokens per chunk of the output head and its loss (LMHead)
+    # tokens per chunk of the output head and its loss (LMHead)
+    loss_chunk_tokens: int | None = 2048
     float8: Float8Config | None = None  # the linear layers in float8 (None: not)
 
 
@@ -43,22 +45,27 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
     t, p = job.training, job.parallel
     float8 = float8_of(t)
     parallel = ParallelOptions(
-        param_dtype=param_dtype(t.mixed_precision, device), reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
-        activation_checkpoint=t.activation_checkpoint, activation_checkpoint_every=t.activation_checkpoint_every,
-        selective_policy=t.selective_policy,
-        compile=t.compile, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
+        param_dtype=param_dtype(t.mixed_precision, device),
+        reduce_dtype=DTYPES[t.mixed_precision.reduce_dtype],
+        activation_checkpoint=t.activation_checkpoint,
+        activation_checkpoint_every=t.activation_checkpoint_every,
+        selective_policy=t.selective_policy, compile=t.compile,
+        sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
         float8_all_gather=gathers_in_float8(float8),
-        # gloo has no float8 types: tensor parallel gathers in high precision there, unless it gathers
-        # nothing (no sequence parallel). The bits are the same; only the bytes moved differ.
-        float8_tp=gathers_in_float8(float8) and (torch.device(device).type == "cuda" or not p.sequence_parallel),
+        # gloo has no float8 types: tensor parallel gathers in high precision there, unless it
+        # gathers nothing (no sequence parallel). The
+        # bits are the same; only the bytes moved differ.
+        float8_tp=gathers_in_float8(float8)
+        and (torch.device(device).type == "cuda" or not p.sequence_parallel),
     )
-    # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit. Under
-    # tensor parallel each tp rank's router sees its slice of the sequence and the router's gradients
-    # are summed over the tp ranks: each slice's loss counts 1/tp.
+    # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit.
+    # Under tensor parallel each tp rank's router sees its slice of the sequence and the router's
+    # gradients are summed over the tp ranks: each slice's loss counts 1/tp.
     aux_loss_scale = 1 / (dims.grad_accum_steps * dims.pp_microbatches * dims.tp)
     return BuildOptions(model=job.model, parallel=parallel, stage_modules=stage_modules(job, dims),
-                        pp_schedule=p.pp_schedule, document_mask=attends_within_documents(job.data), seed=t.seed,
-                        aux_loss_scale=aux_loss_scale, loss_chunk_tokens=t.loss_chunk_tokens, float8=float8)
+                        pp_schedule=p.pp_schedule, document_mask=attends_within_documents(job.data),
+                        seed=t.seed, aux_loss_scale=aux_loss_scale,
+                        loss_chunk_tokens=t.loss_chunk_tokens, float8=float8)
 
 
 def attends_within_documents(data) -> bool:
@@ -79,7 +86,8 @@ def stage_modules(job: JobConfig, dims: ParallelDims) -> list[list[str]]:
                          job.parallel.pp_embedding_cost, job.parallel.pp_output_cost)
 
 
-def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str], device: torch.device | str) -> nn.Module:
+def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str],
+               device: torch.device | str) -> nn.Module:
     """One stage (or the whole model) holding `modules`, parallelized over `dims`; on "meta" it is
     left unallocated."""
     spec = family(options.model.family)
@@ -101,18 +109,22 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str], de
 def build_model_parts(options: BuildOptions, dims: ParallelDims,
                       device: torch.device) -> tuple[list[nn.Module], list[int]]:
     """This rank's parts (its pipeline stages, or the whole model) and their stage indices."""
-    stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank, options.pp_schedule)
+    stages = stage_ids(dims.view("pp").get_local_rank(), dims.pp, dims.pp_stages_per_rank,
+                       options.pp_schedule)
     return [build_part(options, dims, options.stage_modules[s], device) for s in stages], stages
 
 
-def one_block(options: BuildOptions, modules: list[str], index: int = 0) -> tuple[BuildOptions, list[str]]:
-    """Options and stage modules for a stand-in of `modules` with one block, block `index` (blocks of
-    one kind are alike: the memory plan builds one of each kind and counts it for each), compiled and
-    checkpointed nowhere."""
+def one_block(options: BuildOptions, modules: list[str],
+              index: int = 0) -> tuple[BuildOptions, list[str]]:
+    """Options and stage modules for a stand-in of `modules` with one block, block `index` (blocks
+    of one kind are alike: the memory plan builds one of each kind and counts it for each), compiled
+    and checkpointed nowhere."""
     spec = family(options.model.family)
     kept = [spec.block_name(index), *(name for name in modules if not spec.is_block(name))]
     parallel = dataclasses.replace(options.parallel, activation_checkpoint="none", compile=False,
                                    param_dtype=torch.float32, reduce_dtype=torch.float32,
                                    float8_all_gather=False, float8_tp=False)
     model = dataclasses.replace(options.model, n_layers=index + 1)
-    return dataclasses.replace(options, model=model, parallel=parallel, stage_modules=[kept], float8=None), kept
+    options = dataclasses.replace(options, model=model, parallel=parallel, stage_modules=[kept],
+                                  float8=None)
+    return options, kept

@@ -30,7 +30,8 @@ METHODS = ("ring", "allgather")
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
-    """This rank's two chunks of `x` on its sequence dimension: chunk cp_rank and chunk 2*cp-1-cp_rank."""
+    """This rank's two chunks of `x` on its sequence dimension: chunk cp_rank and chunk
+    2*cp-1-cp_rank."""
     if cp == 1:
         return x
     chunks = x.chunk(2 * cp, dim=dim)
@@ -52,14 +53,16 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, CausalAttention):
-                setattr(parent, name, ContextParallelAttention(cp_mesh, method, child.within_documents))
+                setattr(parent, name,
+                        ContextParallelAttention(cp_mesh, method, child.within_documents))
 
 
 class ContextParallelAttention(nn.Module):
     """Causal attention over the whole sequence for the local queries, keys and values
     [batch, heads, 2*chunk, head_dim] (values may be narrower), held in the load-balanced layout.
-    Grouped-query attention: q may have a multiple of k's and v's heads. With `within_documents` the local `positions`
-    count from each query's document start (data.document_mask) and keys before it are masked."""
+    Grouped-query attention: q may have a multiple of k's and v's heads. With `within_documents` the
+    local `positions` count from each query's document start (data.document_mask) and keys before it
+    are masked."""
 
     def __init__(self, cp_mesh: DeviceMesh, method: str, within_documents: bool = False):
         super().__init__()
@@ -74,8 +77,8 @@ class ContextParallelAttention(nn.Module):
             rank, cp = dist.get_rank(self.group), dist.get_world_size(self.group)
             # The global index at which each local query's document starts [batch, seq].
             starts = _global_positions(q.shape[2], rank, cp, q.device) - positions
-        # Keys and values travel together: values narrower than the keys (MLA's) are padded with zeros
-        # to their width, which adds zero columns to the output, cut off (exact).
+        # Keys and values travel together: values narrower than the keys (MLA's) are padded with
+        # zeros to their width, which adds zero columns to the output, cut off (exact).
         width = v.shape[-1]
         v = F.pad(v, (0, k.shape[-1] - width)) if width != k.shape[-1] else v
         if self.method == "ring":
@@ -102,14 +105,16 @@ def _allgather_attention(q, k, v, group, starts: torch.Tensor | None) -> torch.T
     # Back to global order: the first chunks of ranks 0..cp-1, then the second ones in reverse.
     half = seq // 2
     kv = torch.cat([*kv[..., :half, :].unbind(0), *kv[..., half:, :].flip(0).unbind(0)], dim=-2)
-    positions, keys = _global_positions(seq, rank, cp, q.device), torch.arange(seq * cp, device=q.device)
+    positions, keys = (_global_positions(seq, rank, cp, q.device),
+                       torch.arange(seq * cp, device=q.device))
     outs = []
     for chunk, rows in ((rank, slice(0, half)), (2 * cp - 1 - rank, slice(half, seq))):
         # A query chunk sees no key after its own end: attend over that prefix only (half the work
         # of attending over every key under the mask).
         end = (chunk + 1) * half
         mask = Mask(positions[rows], keys[:end], None if starts is None else starts[:, rows])
-        outs.append(attention(q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], causal=False, mask=mask))
+        outs.append(attention(q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], causal=False,
+                              mask=mask))
     return torch.cat(outs, dim=2)
 
 
@@ -151,8 +156,10 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % cp
             rows, cols, causal = _block_rows_cols(rank, source, q.shape[2])
             mask = _block_mask(starts, rank, source, cp, q.shape[2], rows, cols)
-            block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, mask)
-            # Copies: merged into in place, while selective checkpointing may keep the kernel's outputs.
+            block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols],
+                                                 kv[1][:, :, cols], causal, mask)
+            # Copies: merged into in place, while selective
+            # checkpointing may keep the kernel's outputs.
             if out is None:
                 out, lse = block_out.to(torch.float32, copy=True), block_lse.clone()
             else:
@@ -179,10 +186,11 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % cp
             rows, cols, causal = _block_rows_cols(rank, source, q.shape[2])
             mask = _block_mask(ctx.starts, rank, source, cp, q.shape[2], rows, cols)
-            # Each block's gradients follow from the final output and log-sum-exp (flash attention's rule).
+            # Each block's gradients follow from the final
+            # output and log-sum-exp (flash attention's rule).
             block_dq, block_dk, block_dv = block_backward(
-                grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], causal, mask,
+                grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                out[:, :, rows], lse[:, :, rows], causal, mask,
             )
             dq[:, :, rows] += block_dq
             dkv[0][:, :, cols] += block_dk
@@ -198,7 +206,8 @@ def _block_rows_cols(rank: int, source: int, seq: int) -> tuple[slice, slice, bo
 
     Rank r holds chunks (r, 2cp-1-r). Its own block is causal within (local order is global order).
     A block from an earlier rank s < r: every query sees chunk s, none sees the late chunk 2cp-1-s.
-    A block from a later rank s > r: the early query chunk r sees none of it, the late one all of it.
+    A block from a later rank s > r: the early query chunk r sees none of it, the late one all of
+    it.
     """
     half = seq // 2
     if source == rank:
@@ -208,7 +217,8 @@ def _block_rows_cols(rank: int, source: int, seq: int) -> tuple[slice, slice, bo
     return slice(half, None), slice(None), False
 
 
-def _block_mask(starts, rank: int, source: int, cp: int, seq: int, rows: slice, cols: slice) -> Mask | None:
+def _block_mask(starts, rank: int, source: int, cp: int, seq: int, rows: slice,
+                cols: slice) -> Mask | None:
     """Which keys of `source`'s block each query row sees, given the global index where each query's
     document starts (None: no document mask, the block's shape says all)."""
     if starts is None:

@@ -24,7 +24,8 @@ FSDP_TP_VIEW = ("dp_shard_cp_tp", ("dp_shard", "cp", "tp"))
 
 def _flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
     # DeviceMesh has no public way to join dimensions into one named view in torch 2.13;
-    # `_flatten` is what torchtitan and torch's own tests use. Kept here so one line changes if it moves.
+    # `_flatten` is what torchtitan and torch's own tests
+    # use. Kept here so one line changes if it moves.
     return mesh._flatten(name)
 
 
@@ -46,8 +47,8 @@ class ParallelDims:
     # Derived from the schedule and the batch (see pipeline.py); 1 without pipeline parallel.
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 1
-    # Forward-backward passes per optimizer step on each data-parallel rank: training.grad_accum_steps,
-    # or derived from training.micro_batch_size and the global batch.
+    # Forward-backward passes per optimizer step on each data-parallel rank:
+    # training.grad_accum_steps, or derived from training.micro_batch_size and the global batch.
     grad_accum_steps: int = 1
     moe: bool = False  # a mixture-of-experts model: the expert views below exist
     _mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
@@ -103,21 +104,25 @@ class ParallelDims:
             name, dims = FSDP_TP_VIEW
             self._views[name] = _flatten(self._mesh[dims], name)
         if self.dp_replicate_enabled:
-            # HSDP shards over dp_shard x cp within each replica: dp_cp split into (replicas, shards).
+            # HSDP shards over dp_shard x cp within each
+            # replica: dp_cp split into (replicas, shards).
             shape = (self.dp_replicate, self.dp_shard * self.cp)
-            self._hsdp_mesh = _unflatten(self._views["dp_cp"], shape, ("dp_replicate", "dp_shard_cp"))
+            self._hsdp_mesh = _unflatten(self._views["dp_cp"], shape,
+                                         ("dp_replicate", "dp_shard_cp"))
         if self.moe:
             # Experts: ep groups of neighbouring dp_shard x cp ranks (one group per tp rank: each tp
             # rank routes its own slice of the sequence), FSDP over the data-parallel ranks outside.
             flat = _flatten(self._mesh["dp_replicate", "dp_shard", "cp", "tp"], "dp_cp_tp")
             shape = (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
-            experts = _unflatten(flat, shape, ("dp_replicate", "dp_shard_mod_ep", "ep", "expert_tp"))
+            experts = _unflatten(flat, shape,
+                                 ("dp_replicate", "dp_shard_mod_ep", "ep", "expert_tp"))
             self._views |= {"dp_cp_tp": flat, "ep": experts["ep"]}
             self._expert_mesh = experts["ep", "expert_tp"]
-            self._expert_fsdp_mesh = experts["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate_enabled \
-                else experts["dp_shard_mod_ep"]
+            self._expert_fsdp_mesh = (experts["dp_replicate", "dp_shard_mod_ep"]
+                                      if self.dp_replicate_enabled else experts["dp_shard_mod_ep"])
         extra = (self._hsdp_mesh, self._expert_mesh, self._expert_fsdp_mesh)
-        set_timeouts([self._mesh, *self._views.values(), *(mesh for mesh in extra if mesh is not None)])
+        set_timeouts([self._mesh, *self._views.values(),
+                      *(mesh for mesh in extra if mesh is not None)])
         return self._mesh
 
     def group_names(self) -> dict[str, str]:
@@ -132,7 +137,8 @@ class ParallelDims:
 
     def view(self, name: str) -> DeviceMesh:
         """A 1-D submesh: one of MESH_DIMS or one of the flattened FLAT_VIEWS (and, for a
-        mixture-of-experts model, `ep` and `dp_cp_tp`, the ranks a microbatch's tokens are spread over)."""
+        mixture-of-experts model, `ep` and `dp_cp_tp`, the ranks a microbatch's tokens are spread
+        over)."""
         return self._views[name] if name in self._views else self.mesh[name]
 
     def group_spanning(self, ranks: tuple[int, ...]):

@@ -47,16 +47,19 @@ def parallelize_moe(model: nn.Module, dims: ParallelDims) -> None:
         if dims.tp_enabled:
             layer.router = LocalRouter(layer.router, dims.view("tp"))
         if dims.ep_enabled:
-            layer.experts = DistributedExperts(layer.experts, dims.expert_mesh, [Shard(0), Replicate()],
-                                               dims.view("ep").get_group())
+            layer.experts = DistributedExperts(layer.experts, dims.expert_mesh,
+                                               [Shard(0), Replicate()], dims.view("ep").get_group())
         elif dims.tp_enabled:
             layer.experts = DistributedExperts(layer.experts, dims.view("tp"), [Replicate()])
 
 
-def _distributed_parameters(module: nn.Module, source: nn.Module, mesh: DeviceMesh, placements: list) -> None:
-    """Registers on `module` each of `source`'s own parameters, distributed over `mesh`, by the same name."""
+def _distributed_parameters(module: nn.Module, source: nn.Module, mesh: DeviceMesh,
+                            placements: list) -> None:
+    """Registers on `module` each of `source`'s own parameters, distributed over `mesh`, by the same
+    name."""
     for name, param in source.named_parameters(recurse=False):
-        module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements, src_data_rank=None)))
+        sharded = distribute_tensor(param, mesh, placements, src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(sharded))
 
 
 def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -78,9 +81,9 @@ class LocalRouter(nn.Module):
 
 
 class DistributedExperts(nn.Module):
-    """A GroupedExperts' weights as DTensors on `mesh`: replicated (tensor parallel: each tp rank runs
-    its own tokens), or split on the expert dimension over the ep ranks, with `group` the ep group
-    the tokens travel over (expert parallel)."""
+    """A GroupedExperts' weights as DTensors on `mesh`: replicated (tensor parallel: each tp rank
+    runs its own tokens), or split on the expert dimension over the ep ranks, with `group` the ep
+    group the tokens travel over (expert parallel)."""
 
     def __init__(self, experts: nn.Module, mesh: DeviceMesh, placements: list, group=None):
         super().__init__()
@@ -88,7 +91,8 @@ class DistributedExperts(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [tokens, dim] sorted by (global) expert, counts [n_experts] -> the experts' outputs, same order."""
+        """x [tokens, dim] sorted by (global) expert, counts [n_experts] -> the experts' outputs,
+        same order."""
         if self.group is None:
             return expert_swiglu(x, counts, *(w.to_local() for w in (self.w1, self.w2, self.w3)))
         return _expert_parallel_forward(self, self.group, x, counts)
@@ -101,7 +105,8 @@ def sum_grads_over_tp(parts: list[nn.Module], dims: ParallelDims) -> None:
     if not dims.tp_enabled:
         return
     grads = [p.grad.to_local() for part in parts for layer in moe_layers(part)
-             for p in (*layer.router.parameters(), *layer.experts.parameters()) if p.grad is not None]
+             for p in (*layer.router.parameters(), *layer.experts.parameters())
+             if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.flatten() for g in grads])
@@ -110,11 +115,13 @@ def sum_grads_over_tp(parts: list[nn.Module], dims: ParallelDims) -> None:
         g.copy_(summed.view_as(g))
 
 
-def _expert_parallel_forward(experts: nn.Module, group, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _expert_parallel_forward(experts: nn.Module, group, x: torch.Tensor,
+                             counts: torch.Tensor) -> torch.Tensor:
     ep = dist.get_world_size(group)
     # An expert's gradient sums the ep group's tokens; FSDP then averages over the ranks outside
     # the group. Dividing by ep here makes that the average over every data-parallel rank.
-    w1, w2, w3 = (_ScaleGrad.apply(w.to_local(), 1 / ep) for w in (experts.w1, experts.w2, experts.w3))
+    w1, w2, w3 = (_ScaleGrad.apply(w.to_local(), 1 / ep)
+                  for w in (experts.w1, experts.w2, experts.w3))
     local_experts = w1.shape[0]
     # received[src, e]: tokens this rank gets from rank src for its local expert e.
     sent = counts.view(ep, local_experts)
@@ -124,8 +131,8 @@ def _expert_parallel_forward(experts: nn.Module, group, x: torch.Tensor, counts:
     send_splits, recv_splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()
     tokens = _AllToAll.apply(x, recv_splits, send_splits, group)
     # Arrived grouped by source rank, then expert; the experts want them grouped by expert.
-    expert_of = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep), received.flatten(),
-                                        output_size=len(tokens))
+    expert_of = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep),
+                                        received.flatten(), output_size=len(tokens))
     order = expert_of.argsort(stable=True)
     out = expert_swiglu(tokens[order], received.sum(0), w1, w2, w3)[order.argsort()]
     return _AllToAll.apply(out, send_splits, recv_splits, group)
@@ -149,7 +156,8 @@ class _AllToAll(torch.autograd.Function):
     back along the reverse splits."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group) -> torch.Tensor:
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)

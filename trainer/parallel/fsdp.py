@@ -14,7 +14,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from trainer.models.moe import moe_layers
 
 
-def edge_units(embedding: nn.Module | None, head: list[nn.Module]) -> tuple[nn.Module | None, list[nn.Module]]:
+def edge_units(embedding: nn.Module | None,
+               head: list[nn.Module]) -> tuple[nn.Module | None, list[nn.Module]]:
     """The embedding and the head (the final norm and output) as FSDP units of their own: (None, [])
     when the head shares a weight with the embedding (tied), as both then stay in the root."""
     if embedding is not None:
@@ -24,15 +25,16 @@ def edge_units(embedding: nn.Module | None, head: list[nn.Module]) -> tuple[nn.M
     return embedding, head
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module | None, head: list[nn.Module],
-               mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype, pipelined: bool = False,
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module | None,
+               head: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, pipelined: bool = False,
                expert_mesh: DeviceMesh | None = None) -> None:
-    """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP. `embedding`
-    and `head` are None and [] where a pipeline stage lacks them.
+    """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP.
+    `embedding` and `head` are None and [] where a pipeline stage lacks them.
 
-    With `expert_mesh` (expert parallel), each MoE layer's experts are a unit of their own on that mesh.
-    The embedding and the head are units of their own, so that a large vocabulary's weights are
-    gathered only while they are used (unless tied: then both stay in the root).
+    With `expert_mesh` (expert parallel), each MoE layer's experts are a unit of their own on that
+    mesh. The embedding and the head are units of their own, so that a large vocabulary's weights
+    are gathered only while they are used (unless tied: then both stay in the root).
 
     Under pipeline parallel, parameters stay gathered from forward to backward: a stage runs
     many microbatches, and the zero-bubble schedules' deferred weight-gradient pass gives wrong
@@ -41,7 +43,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module |
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def shard(module: nn.Module | list[nn.Module], reshard: bool, on: DeviceMesh = mesh) -> None:
-        sharded = fully_shard(module, mesh=on, mp_policy=mp_policy, reshard_after_forward=reshard and not pipelined)
+        sharded = fully_shard(module, mesh=on, mp_policy=mp_policy,
+                              reshard_after_forward=reshard and not pipelined)
         # (a list of modules is one unit, whose state its first module holds)
         (sharded if isinstance(sharded, FSDPModule) else sharded[0]).set_custom_reduce_scatter(
             compute_pool_reduce_scatter(on.size()))
@@ -62,10 +65,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module |
 
 
 def reshard(parts: list[nn.Module]) -> None:
-    """Frees the parameters FSDP keeps gathered after a forward for the backward that follows (the last
-    block's and the head's; every unit of a pipeline stage): after a forward-only pass (validation)
-    nothing else would, and a checkpoint or guard that reads the parameters then would see them
-    gathered (in float8, torchao's float8 tensors)."""
+    """Frees the parameters FSDP keeps gathered after a forward for the backward that follows (the
+    last block's and the head's; every unit of a pipeline stage): after a forward-only pass
+    (validation) nothing else would, and a checkpoint or guard that reads the parameters then would
+    see them gathered (in float8, torchao's float8 tensors)."""
     for part in parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):

@@ -1,4 +1,5 @@
-"""Pipeline parallel: the model cut into stages by layer, run by a torch.distributed.pipelining schedule.
+"""Pipeline parallel: the model cut into stages by layer, run by a torch.distributed.pipelining
+schedule.
 
 Each stage is the whole model's module tree, built on meta, with the modules of other stages
 removed, so parameter names (and the layout-independent initialisation) are those of the whole
@@ -55,21 +56,21 @@ def min_microbatches(schedule: str, pp: int, n_stages: int) -> int:
 
 
 def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
-    """The stages a rank runs: looped (r, r+pp, ...) or, for V-shaped schedules, (r, 2*pp-1-r). Without
-    pipeline parallel (one stage per rank) the schedule is moot: the one stage."""
+    """The stages a rank runs: looped (r, r+pp, ...) or, for V-shaped schedules, (r, 2*pp-1-r).
+    Without pipeline parallel (one stage per rank) the schedule is moot: the one stage."""
     if schedule in V_SHAPED and per_rank == 2:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
-def split_modules(embedding: str, layers: list[str], head: list[str], n_stages: int, embedding_cost: float,
-                  output_cost: float) -> list[list[str]]:
+def split_modules(embedding: str, layers: list[str], head: list[str], n_stages: int,
+                  embedding_cost: float, output_cost: float) -> list[list[str]]:
     """Module names per stage, contiguous, balancing the cost of layers plus embedding and head.
 
     The embedding and the output head (the last module of `head`; the others, a final norm, count
-    nothing) count as `embedding_cost` and `output_cost` layers. Each stage takes at least one layer,
-    then more while it stays within its even share of what is left, leaving a layer for every later
-    stage.
+    nothing) count as `embedding_cost` and `output_cost` layers. Each stage takes at least one
+    layer, then more while it stays within its even share of what is left, leaving a layer for every
+    later stage.
     """
     units = [(embedding, embedding_cost, False)] + [(name, 1.0, True) for name in layers]
     units += [(name, 0.0, False) for name in head[:-1]] + [(head[-1], output_cost, False)]
@@ -82,7 +83,8 @@ def split_modules(embedding: str, layers: list[str], head: list[str], n_stages: 
         layers_left = sum(is_layer for _, _, is_layer in units[position:])
         while position < len(units):
             name, unit_cost, is_layer = units[position]
-            if has_layer and is_layer and (cost + unit_cost > share + 1e-9 or layers_left <= n_stages - stage - 1):
+            if has_layer and is_layer and (cost + unit_cost > share + 1e-9
+                                           or layers_left <= n_stages - stage - 1):
                 break
             taken.append(name)
             cost += unit_cost
@@ -110,22 +112,24 @@ def keep_modules(model: nn.Module, units: list[str], kept: list[str]) -> nn.Modu
     return model
 
 
-def build_schedule(schedule: str, stages: list[nn.Module], ids: list[int], n_stages: int, pp_group, device,
-                   n_microbatches: int, loss_fn):
+def build_schedule(schedule: str, stages: list[nn.Module], ids: list[int], n_stages: int, pp_group,
+                   device, n_microbatches: int, loss_fn):
     pipeline_stages = [
-        PipelineStage(module, stage_index, n_stages, device, group=pp_group) for module, stage_index in zip(stages, ids)
+        PipelineStage(module, stage_index, n_stages, device, group=pp_group)
+        for module, stage_index in zip(stages, ids)
     ]
     # No scaling by the schedule: it divides all of .grad at the end of each step(), which also
     # shrinks the gradients of earlier accumulation steps again; `loss_fn` carries the whole scale.
     # The last stage outputs its microbatch's loss (a scalar): merged by summing, not concatenating.
     stage_arg = pipeline_stages[0] if schedule in SINGLE_STAGE else pipeline_stages
-    return SCHEDULES[schedule](stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False,
-                               output_merge_spec=sum_reducer)
+    return SCHEDULES[schedule](stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                               scale_grads=False, output_merge_spec=sum_reducer)
 
 
 def stage_owners(pp: int, per_rank: int, schedule: str) -> list[int]:
     """The pipeline rank that runs each stage, by stage index."""
-    owners = {stage: rank for rank in range(pp) for stage in stage_ids(rank, pp, per_rank, schedule)}
+    owners = {stage: rank for rank in range(pp)
+              for stage in stage_ids(rank, pp, per_rank, schedule)}
     return [owners[stage] for stage in range(len(owners))]
 
 
@@ -134,17 +138,21 @@ _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @torch.no_grad()
 def forward_only(parts: list[nn.Module], stages: list[int], owners: list[int], pp_rank: int, group,
-                 inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+                 inputs: torch.Tensor, positions: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor | None:
     """The model's loss for `inputs` and `labels`, stage after stage, each rank running its own and
-    passing the hidden states [batch, seq, dim] on; the loss on the rank of the last stage, None elsewhere."""
+    passing the hidden states [batch, seq, dim] on; the loss on the rank of the last stage, None
+    elsewhere."""
     x = inputs
     for stage, owner in enumerate(owners):
         previous = owners[stage - 1] if stage else owner
         if owner == pp_rank:
             if previous != pp_rank:
-                header = torch.empty(4, dtype=torch.long, device=inputs.device)  # dtype, then the shape
+                # dtype, then the shape
+                header = torch.empty(4, dtype=torch.long, device=inputs.device)
                 dist.recv(header, group=group, group_src=previous)
-                x = torch.empty(header[1:].tolist(), dtype=_WIRE_DTYPES[header[0]], device=inputs.device)
+                x = torch.empty(header[1:].tolist(), dtype=_WIRE_DTYPES[header[0]],
+                                device=inputs.device)
                 dist.recv(x, group=group, group_src=previous)
             x = parts[stages.index(stage)](x, positions, labels)
         elif previous == pp_rank:

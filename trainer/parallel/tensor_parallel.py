@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> None:
     """Applies `plan` (module path patterns -> styles) to `model` on `tp_mesh`."""
-    parallelize_module(model, tp_mesh, {path: style for path, style in plan.items() if _resolves(model, path)})
+    parallelize_module(model, tp_mesh,
+                       {path: style for path, style in plan.items() if _resolves(model, path)})
 
 
 def _resolves(module: nn.Module, path: str) -> bool:

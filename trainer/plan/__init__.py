@@ -63,7 +63,8 @@ class Plan:
     def mfu(self) -> float:
         if self.peak_tflops <= 0:
             return float("nan")
-        return self.tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
+        peak = self.peak_tflops * 1e12 * self.world_size
+        return self.tokens_per_s * self.flops_per_token / peak
 
     def to_json(self) -> dict:
         d = self.dims
@@ -71,7 +72,8 @@ class Plan:
             "world_size": self.world_size,
             "device": self.device.name,
             "device_memory_gib": self.device.memory_gib,
-            "layout": {k: getattr(d, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")},
+            "layout": {k: getattr(d, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp",
+                                                  "ep")},
             "fits": self.fits,
             "peak_gib": self.peak / GIB,
             "step_time_s": self.time.step_s,
@@ -79,7 +81,8 @@ class Plan:
             "mfu": self.mfu,
             "time": asdict(self.time),
             "ranks": [
-                {"pp_rank": r.pp_rank, **{f"{k}_gib": getattr(r, k) / GIB for k in (*TERMS, "peak")}}
+                {"pp_rank": r.pp_rank,
+                 **{f"{k}_gib": getattr(r, k) / GIB for k in (*TERMS, "peak")}}
                 for r in self.ranks
             ],
         }
@@ -93,25 +96,26 @@ class Plan:
         usable = self.device.memory_gib * (1 - MARGIN)
         where = f" on pipeline rank {rank.pp_rank}" if self.dims.pp_enabled else ""
         raise ConfigError(
-            f"plan: the job needs {rank.peak / GIB:.1f} GiB per rank{where}, more than the {usable:.1f} GiB usable of "
-            f"{self.device.memory_gib:.1f} on {self.device.name} (largest term: {name} {value / GIB:.1f} GiB); "
-            f"{_advice(name)} (or plan.check=false to run anyway)"
+            f"plan: the job needs {rank.peak / GIB:.1f} GiB per rank{where}, more than the "
+            f"{usable:.1f} GiB usable of {self.device.memory_gib:.1f} on {self.device.name} "
+            f"(largest term: {name} {value / GIB:.1f} GiB); {_advice(name)} (or plan.check=false "
+            "to run anyway)"
         )
 
 
 def _advice(term: str) -> str:
     if term == "activations":
-        return ("set training.activation_checkpoint=selective or full, raise training.grad_accum_steps or "
-                "parallel.tp/cp, or lower training.seq_len")
+        return ("set training.activation_checkpoint=selective or full, raise "
+                "training.grad_accum_steps or parallel.tp/cp, or lower training.seq_len")
     if term in ("params", "grads", "optimizer"):
         return "shard over more ranks (parallel.dp_shard, tp or pp) or use a smaller model"
     return "raise parallel.tp or parallel.pp, or shard over more ranks"
 
 
 # What float8 GEMMs sustain of their peak, relative to what bf16 GEMMs sustain of theirs: the casts,
-# the scales' reductions and the layouts _scaled_mm needs. From torchtitan's float8 tensorwise runs on
-# one H100 (1.12x its bf16 tokens/s at the Llama 3.2 1B shape, 1.18x at Llama 3 8B's layers), where
-# the linear layers are about 80% of the FLOPs: 1 / (0.2 + 0.8 / (2 x 0.6)) = 1.15x.
+# the scales' reductions and the layouts _scaled_mm needs. From torchtitan's float8 tensorwise runs
+# on one H100 (1.12x its bf16 tokens/s at the Llama 3.2 1B shape, 1.18x at Llama 3 8B's layers),
+# where the linear layers are about 80% of the FLOPs: 1 / (0.2 + 0.8 / (2 x 0.6)) = 1.15x.
 FLOAT8_EFFICIENCY = 0.6
 
 
@@ -120,39 +124,42 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     slots the experts of the planned rank take, over an even share (a measured expert_load_ep)."""
     m, t, p = job.model, job.training, job.parallel
     name = t.mixed_precision.param_dtype
-    dtype = DTYPES[name] if name != "auto" else (torch.float32 if device.kind == "cpu" else torch.bfloat16)
+    dtype = DTYPES[name] if name != "auto" else (torch.float32 if device.kind == "cpu"
+                                                 else torch.bfloat16)
     act_bytes = torch.finfo(dtype).bits // 8
     per_microbatch = t.global_batch_size // (dims.dp * dims.grad_accum_steps * dims.pp_microbatches)
     shapes = Shapes(
         model=m, tokens=per_microbatch * t.seq_len // dims.cp, tp=dims.tp, cp=dims.cp,
         sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-        act_bytes=act_bytes, expert_load=expert_load, loss_chunk=t.loss_chunk_tokens, experts_apart=dims.ep_enabled,
+        act_bytes=act_bytes, expert_load=expert_load, loss_chunk=t.loss_chunk_tokens,
+        experts_apart=dims.ep_enabled,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
     f8 = t.float8.recipe if t.float8.enabled else None
     # Full checkpointing applies to every Nth block: the share of blocks it recomputes.
-    share = -(-m.n_layers // t.activation_checkpoint_every) / m.n_layers if t.activation_checkpoint == "full" else 0.0
+    share = (-(-m.n_layers // t.activation_checkpoint_every) / m.n_layers
+             if t.activation_checkpoint == "full" else 0.0)
     n_stages = dims.pp * dims.pp_stages_per_rank
     stages_by_rank = holdings(job, dims)
     costs = family(m.family).costs
     ranks = [rank_memory(
         pp_rank, stages, costs, shapes, activation_checkpoint=t.activation_checkpoint,
         checkpointed_share=share, schedule=schedule, pp=dims.pp,
-        n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, grad_accum=dims.grad_accum_steps,
-        param_bytes=act_bytes, has_loss=any(s.stage == n_stages - 1 for s in stages),
-        selective_policy=t.selective_policy, float8=f8, float8_share=costs.float8_params(m),
-        optimizer=optimizer_of(job.optim),
+        n_microbatches=dims.grad_accum_steps * dims.pp_microbatches,
+        grad_accum=dims.grad_accum_steps, param_bytes=act_bytes,
+        has_loss=any(s.stage == n_stages - 1 for s in stages), selective_policy=t.selective_policy,
+        float8=f8, float8_share=costs.float8_params(m), optimizer=optimizer_of(job.optim),
     ) for pp_rank, stages in enumerate(stages_by_rank)]
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
     timing = plan_step_time(job, dims, device, dtype, shapes, share, busiest)
     flops = flops_per_token(m, t.seq_len)
-    return Plan(dims.world_size, device, dims, ranks, timing, t.global_batch_size * t.seq_len, flops,
-                device.peak_tflops(dtype))
+    return Plan(dims.world_size, device, dims, ranks, timing, t.global_batch_size * t.seq_len,
+                flops, device.peak_tflops(dtype))
 
 
-def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: torch.dtype, shapes: Shapes,
-                   share: float, busiest: list) -> StepTime:
+def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: torch.dtype,
+                   shapes: Shapes, share: float, busiest: list) -> StepTime:
     """The step time of the pipeline rank holding `busiest` (its stages); `share`: the blocks full
     checkpointing recomputes."""
     m, t = job.model, job.training
@@ -178,7 +185,8 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
     if f8 is not None and not t.float8.emulate and device.fp8_tflops:
         # The blocks' linear layers at the float8 rate, the rest (attention's scores, the head) not.
         in_float8 = counted.float8 / flops
-        compute_tflops = 1 / ((1 - in_float8) / peak_tflops + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
+        compute_tflops = 1 / ((1 - in_float8) / peak_tflops
+                              + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
     gathered_per_element = gathered_bytes_per_element(shapes.act_bytes, costs.float8_params(m), f8)
     optimizer = optimizer_of(job.optim)
     return step_time(
@@ -186,7 +194,8 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,
         grad_bytes=sum(u.gathered for u in units) * FP32,
         sharded_grad_bytes=sum(u.sharded for u in units) * FP32,
-        act_stream_bytes=stream, kv_bytes=costs.context_bytes(shapes), expert_bytes=costs.expert_bytes(shapes),
+        act_stream_bytes=stream, kv_bytes=costs.context_bytes(shapes),
+        expert_bytes=costs.expert_bytes(shapes),
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
         microbatches_per_rank=dims.grad_accum_steps * dims.pp_microbatches * len(busiest),
         recompute=share, selective=t.activation_checkpoint == "selective", schedule=schedule,
@@ -195,5 +204,6 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, moe=n_experts(m) > 0,
         optimizer_flops=sum(u.apart_flops for u in units),
         optimizer_tflops=device.peak_tflops(optimizer.matrix_dtype(job.optim, device.kind)),
-        exchanged_bytes=sum(u.apart_moved for u in units) * FP32 if optimizer.whole_matrices else 0.0,
+        exchanged_bytes=sum(u.apart_moved for u in units) * FP32 if optimizer.whole_matrices
+        else 0.0,
     )

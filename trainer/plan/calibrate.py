@@ -1,11 +1,11 @@
 """Calibration: the plan's matmul efficiencies fitted to training steps measured on this machine.
 
-Each share of the device's Efficiency is set from one layout whose step it paces, the search's best of
-its kind, run for a few steps on every rank: every rank a pipeline stage (`alone`), every rank a
+Each share of the device's Efficiency is set from one layout whose step it paces, the search's best
+of its kind, run for a few steps on every rank: every rank a pipeline stage (`alone`), every rank a
 replica (`replicated`), FSDP over every rank (`with_collectives`), tensor parallel over every rank
 (`tp`, on top of the latter). A share is the value at which the plan predicts the measured tokens/s;
-the plan's tokens/s rises with it, so a bisection finds it. The peaks and link rates under the shares
-are timed before (devices.measure_cpu, devices.measure_cuda).
+the plan's tokens/s rises with it, so a bisection finds it. The peaks and link rates under the
+shares are timed before (devices.measure_cpu, devices.measure_cuda).
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def calibration_layouts(job: JobConfig, world: int, device: Device) -> dict[str,
     return layouts
 
 
-def fit_share(job: JobConfig, world: int, device: Device, share: str, overrides: dict, measured: float) -> Device:
-    """The device with its `share` set so the plan of `job` in `overrides` predicts `measured` tokens/s."""
+def fit_share(job: JobConfig, world: int, device: Device, share: str, overrides: dict,
+              measured: float) -> Device:
+    """The device with its `share` set so the plan of `job` in `overrides` predicts `measured`
+    tokens/s."""
     candidate = apply_overrides(job, overrides)
     dims = check_job(candidate, world)
     low, high = LOWEST, HIGHEST
@@ -63,33 +65,40 @@ def fit_share(job: JobConfig, world: int, device: Device, share: str, overrides:
             low = middle
         else:
             high = middle
-    return replace(device, efficiency=replace(device.efficiency, **{share: round(math.sqrt(low * high), 4)}))
+    return replace(device,
+                   efficiency=replace(device.efficiency,
+                                      **{share: round(math.sqrt(low * high), 4)}))
 
 
-def calibrate(job: JobConfig, world: int, device: Device, measure: Callable[[dict], float]) -> tuple[Device, list]:
+def calibrate(job: JobConfig, world: int, device: Device,
+              measure: Callable[[dict], float]) -> tuple[Device, list]:
     """`device` with its efficiencies fitted to what `measure(overrides)` (tokens/s of `job` in that
-    layout on `world` ranks) reports, and the runs: share, layout, measured and predicted tokens/s."""
+    layout on `world` ranks) reports, and the runs: share, layout, measured and predicted
+    tokens/s."""
     runs = []
     for share, overrides in calibration_layouts(job, world, device).items():
         measured = measure(overrides)
         device = fit_share(job, world, device, share, overrides, measured)
-        runs.append({"share": share, "layout": describe_overrides(overrides), "overrides": overrides,
-                     "measured_tokens_per_s": round(measured, 1)})
+        runs.append({"share": share, "layout": describe_overrides(overrides),
+                     "overrides": overrides, "measured_tokens_per_s": round(measured, 1)})
     for run in runs:
         candidate = apply_overrides(job, run["overrides"])
-        run["predicted_tokens_per_s"] = round(make_plan(candidate, check_job(candidate, world), device).tokens_per_s, 1)
+        plan = make_plan(candidate, check_job(candidate, world), device)
+        run["predicted_tokens_per_s"] = round(plan.tokens_per_s, 1)
     return device, runs
 
 
-DEGREES = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp", "parallel.pp", "parallel.ep",
-           "parallel.pp_schedule")
+DEGREES = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp",
+           "parallel.pp", "parallel.ep", "parallel.pp_schedule")
 
 
 def distinct_layouts(results: list[tuple]) -> list[tuple]:
-    """The search's best point (plan, overrides) for each set of degrees and pipeline schedule, best first."""
+    """The search's best point (plan, overrides) for each set of degrees and pipeline schedule, best
+    first."""
     seen, kept = set(), []
     for plan, overrides in results:
-        keys = DEGREES if overrides["parallel.pp"] > 1 else DEGREES[:-1]  # the schedule counts under pp only
+        # the schedule counts under pp only
+        keys = DEGREES if overrides["parallel.pp"] > 1 else DEGREES[:-1]
         degrees = tuple(overrides[key] for key in keys)
         if degrees not in seen:
             seen.add(degrees)
@@ -99,15 +108,16 @@ def distinct_layouts(results: list[tuple]) -> list[tuple]:
 
 def ranking(job: JobConfig, world: int, device: Device, measure: Callable[[dict], float],
             measured: dict[str, float] | None = None) -> list[dict]:
-    """Each distinct layout the search considers, best predicted first: predicted and measured tokens/s
-    (`measured`: those already known, by describe_overrides)."""
+    """Each distinct layout the search considers, best predicted first: predicted and measured
+    tokens/s (`measured`: those already known, by describe_overrides)."""
     measured = dict(measured or {})
     rows = []
     for plan, overrides in distinct_layouts(search(job, world, device, who="--calibrate")):
         layout = describe_overrides(overrides)
         if layout not in measured:
             measured[layout] = measure(overrides)
-        rows.append({"layout": layout, "overrides": overrides, "predicted_tokens_per_s": round(plan.tokens_per_s, 1),
+        rows.append({"layout": layout, "overrides": overrides,
+                     "predicted_tokens_per_s": round(plan.tokens_per_s, 1),
                      "measured_tokens_per_s": round(measured[layout], 1)})
     return rows
 
@@ -124,15 +134,18 @@ def torchrun_measure(overrides: list[str], world: int, steps: int) -> Callable[[
 
     def measure(layout: dict) -> float:
         with tempfile.TemporaryDirectory() as out:
-            run = [*overrides, *(f"{key}={'null' if v is None else v}" for key, v in layout.items()),
+            run = [*overrides,
+                   *(f"{key}={'null' if v is None else v}" for key, v in layout.items()),
                    f"training.steps={steps}", "metrics.log_every=1", "checkpoint.enabled=false",
                    "validation.every=0", f"output_dir={out}"]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   str(train), *run]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={world}", str(train), *run]
             print(f"calibration: {describe_overrides(layout)} on {world} ranks", flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800,
-                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-            records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+                           env={**os.environ,
+                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+            records = [json.loads(line)
+                       for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
             return steady_tokens_per_s(records)
 
     return measure

@@ -22,8 +22,8 @@ from trainer.hardware import CUDA_PEAK_TFLOPS, measure_cpu_tflops, measure_cuda_
 class Efficiency:
     """Shares of the peak a transformer's matmuls sustain in a training step: on ranks that only
     compute (one rank, or pipeline stages handing on activations), on replicas that only all-reduce
-    their gradients once a step, on ranks whose steps run collectives every microbatch (FSDP, TP, CP,
-    EP), and the further factor tensor parallel's halved matmuls and per-op dispatch cost. A
+    their gradients once a step, on ranks whose steps run collectives every microbatch (FSDP, TP,
+    CP, EP), and the further factor tensor parallel's halved matmuls and per-op dispatch cost. A
     calibration (scripts/plan.py --calibrate) measures them on the machine."""
 
     alone: float
@@ -34,11 +34,11 @@ class Efficiency:
 
 # GPUs: large bf16 GEMMs with attention and element-wise work around them (not yet calibrated).
 GPU_EFFICIENCY = Efficiency(0.55, 0.55, 0.55)
-# The CPU's peak is a matmul timed on one thread per rank. Measured on 2 cores (llama_debug widened to
-# dim 512, seq 512, steps after the counted ones): 0.70 alone; 0.55 with collectives (gloo's threads on
-# the same cores, DTensor's dispatch), replicas' one all-reduce a step taken as the same. tp2 sustained
-# 0.68-0.87 of FSDP's rate on an AVX2 box (four sittings) and 1.5x the plan's figure at 0.8 on a Zen 4
-# (avx512) box: 1.0 keeps both within 30%.
+# The CPU's peak is a matmul timed on one thread per rank. Measured on 2 cores (llama_debug widened
+# to dim 512, seq 512, steps after the counted ones): 0.70 alone; 0.55 with collectives (gloo's
+# threads on the same cores, DTensor's dispatch), replicas' one all-reduce a step taken as the same.
+# tp2 sustained 0.68-0.87 of FSDP's rate on an AVX2 box (four sittings) and 1.5x the plan's figure
+# at 0.8 on a Zen 4 (avx512) box: 1.0 keeps both within 30%.
 CPU_EFFICIENCY = Efficiency(0.70, 0.55, 0.55)
 
 
@@ -101,15 +101,16 @@ def measure_cpu(world: int, threads: int | None = None, size: int = 512, seconds
     finally:
         torch.set_num_threads(own_threads)
     gbps = measure_link_gbps(world) if world > 1 else 0.0
-    return cpu_device(available_memory_gib() / world, bf16, fp32, gbps, world, lent_idle=1 - 1 / ranks_per_core)
+    return cpu_device(available_memory_gib() / world, bf16, fp32, gbps, world,
+                      lent_idle=1 - 1 / ranks_per_core)
 
 
 def cpu_device(memory_gib: float, bf16_tflops: float, fp32_tflops: float, gbps: float, ranks: int,
                lent_idle: float = 0.0) -> Device:
-    """This machine's CPU as `ranks` devices; `gbps` is what a gloo ring sustains already (timed), so
-    no further link efficiency applies."""
-    return Device("cpu", memory_gib, bf16_tflops, fp32_tflops, gbps, gbps, ranks, link_efficiency=1.0, kind="cpu",
-                  efficiency=CPU_EFFICIENCY, lent_idle=lent_idle)
+    """This machine's CPU as `ranks` devices; `gbps` is what a gloo ring sustains already (timed),
+    so no further link efficiency applies."""
+    return Device("cpu", memory_gib, bf16_tflops, fp32_tflops, gbps, gbps, ranks,
+                  link_efficiency=1.0, kind="cpu", efficiency=CPU_EFFICIENCY, lent_idle=lent_idle)
 
 
 GLOO_TIMED_BYTES = 8 * 2**20  # about one block's activations in the models that run on a CPU
@@ -125,8 +126,9 @@ def measure_link_gbps(world: int, cuda: bool = False, repeats: int = 3) -> float
     nbytes = NCCL_TIMED_BYTES if cuda else GLOO_TIMED_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         seconds = context.Queue()
-        ranks = [context.Process(target=_time_all_reduce, args=(rank, world, f"{tmp}/store", nbytes, repeats, cuda,
-                                                               seconds)) for rank in range(world)]
+        ranks = [context.Process(target=_time_all_reduce,
+                                 args=(rank, world, f"{tmp}/store", nbytes, repeats, cuda,
+                                      seconds)) for rank in range(world)]
         for process in ranks:
             process.start()
         best = seconds.get(timeout=300)
@@ -135,7 +137,8 @@ def measure_link_gbps(world: int, cuda: bool = False, repeats: int = 3) -> float
     return 2 * (world - 1) / world * nbytes / best / 1e9
 
 
-def _time_all_reduce(rank: int, world: int, store_path: str, nbytes: int, repeats: int, cuda: bool, out) -> None:
+def _time_all_reduce(rank: int, world: int, store_path: str, nbytes: int, repeats: int, cuda: bool,
+                     out) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     # A group of its own: the caller may have a default one.
@@ -162,15 +165,17 @@ def _time_all_reduce(rank: int, world: int, store_path: str, nbytes: int, repeat
 
 
 def measure_cuda(world: int) -> Device:
-    """This node's GPU as the plan sees it, timed: its table entry (or a bare one) with the bf16 peak
-    a large matmul sustains on it, and the link an NCCL all-reduce sustains between `world` of them
-    (the nodes' network stays the table's)."""
+    """This node's GPU as the plan sees it, timed: its table entry (or a bare one) with the bf16
+    peak a large matmul sustains on it, and the link an NCCL all-reduce sustains between `world` of
+    them (the nodes' network stays the table's)."""
     base = local_device(torch.device("cuda", 0), world)
     bf16 = measure_cuda_tflops(torch.bfloat16)
-    intra = measure_link_gbps(world, cuda=True) if world > 1 else base.intra_gbps * base.link_efficiency
+    intra = (measure_link_gbps(world, cuda=True) if world > 1
+             else base.intra_gbps * base.link_efficiency)
     # The timed rate is what a ring sustains: the table's network rate is scaled to match.
-    return replace(base, bf16_tflops=bf16, intra_gbps=intra, inter_gbps=base.inter_gbps * base.link_efficiency,
-                   link_efficiency=1.0, per_node=world)
+    return replace(base, bf16_tflops=bf16, intra_gbps=intra,
+                   inter_gbps=base.inter_gbps * base.link_efficiency, link_efficiency=1.0,
+                   per_node=world)
 
 
 def local_device(device: torch.device, local_ranks: int) -> Device:

@@ -1,9 +1,9 @@
 """What each rank holds of the model, read from the real parallelized module tree.
 
-The model is built on the meta device by the function training builds it with (trainer/parallel/build.py),
-on a mesh of the job's real world size made by torch's `fake` process-group backend (one process
-plays rank 0 of any world). Each parameter's local shard then has the shape training
-would give it, so the plan cannot drift from the code.
+The model is built on the meta device by the function training builds it with
+(trainer/parallel/build.py), on a mesh of the job's real world size made by torch's `fake`
+process-group backend (one process plays rank 0 of any world). Each parameter's local shard then has
+the shape training would give it, so the plan cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ class Unit:
     name: str
     sharded: int
     gathered: int
-    # The elements among `sharded` the job's optimizer treats apart (Muon's matrices), the largest such
-    # matrix whole, and this rank's share of the optimizer's work on them in a step (each matrix's
-    # FLOPs times the share of it held here: an optimizer updating whole matrices deals them out in
-    # that proportion).
+    # The elements among `sharded` the job's optimizer treats apart (Muon's matrices), the largest
+    # such matrix whole, and this rank's share of the optimizer's work on them in a step (each
+    # matrix's FLOPs times the share of it held here: an optimizer updating whole matrices deals
+    # them out in that proportion).
     apart: int = 0
     apart_largest: int = 0
     apart_flops: float = 0.0
-    apart_moved: float = 0.0  # elements of those this rank sends to the matrices' owners (and receives back)
+    # elements of those this rank sends to the matrices' owners (and receives back)
+    apart_moved: float = 0.0
 
 
 @dataclass
@@ -77,11 +78,13 @@ _CACHE: dict[str, list[list[StageHoldings]]] = {}
 
 
 def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
-    """For each pipeline rank, the stages it holds and their FSDP units (a fake world of one replica's
-    size: HSDP's replicas hold the same shards, so a layout's holdings serve it with any number of them;
-    and cp folded into dp_shard: FSDP shards over dp_shard x cp as one, and cp splits no parameter)."""
+    """For each pipeline rank, the stages it holds and their FSDP units (a fake world of one
+    replica's size: HSDP's replicas hold the same shards, so a layout's holdings serve it with any
+    number of them; and cp folded into dp_shard: FSDP shards over dp_shard x cp as one, and cp
+    splits no parameter)."""
     fsdp = dims.dp_shard * dims.cp
-    parallel = dataclasses.replace(job.parallel, pp_microbatches=None, dp_replicate=1, dp_shard=fsdp, cp=1)
+    parallel = dataclasses.replace(job.parallel, pp_microbatches=None, dp_replicate=1,
+                                   dp_shard=fsdp, cp=1)
     replica = dataclasses.replace(dims, dp_replicate=1, dp_shard=fsdp, cp=1,
                                   world_size=dims.world_size // dims.dp_replicate)
     # What a rank holds depends on the model and the layout, not on batch or microbatches.
@@ -104,35 +107,44 @@ def _holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
         first: dict = {}
         for index in range(job.model.n_layers):
             first.setdefault(spec.block_kind(job.model, index), index)
-        # A stage's stand-in depends on its block's kind and its other modules: stages alike share one.
+        # A stage's stand-in depends on its block's kind
+        # and its other modules: stages alike share one.
         built: dict = {}
         for stage, modules in enumerate(options.stage_modules):
             blocks = [int(name.rsplit(".", 1)[1]) for name in modules if spec.is_block(name)]
-            kinds = {spec.block_kind(job.model, index) for index in blocks} or {spec.block_kind(job.model, 0)}
+            kinds = ({spec.block_kind(job.model, index) for index in blocks}
+                     or {spec.block_kind(job.model, 0)})
             others = tuple(name for name in modules if not spec.is_block(name))
             per_kind, edges = {}, []
             for kind in kinds:
                 if (kind, others) not in built:
                     one, kept = one_block(options, modules, first[kind])
-                    units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled, job.optim)
-                    built[kind, others] = ([(u, spec.block_name(first[kind])) for u in units if spec.is_block(u.name)],
+                    units = _units(build_part(one, dims, kept, "meta"), spec, dims.ep_enabled,
+                                   job.optim)
+                    built[kind, others] = ([(u, spec.block_name(first[kind])) for u in units
+                                            if spec.is_block(u.name)],
                                            [u for u in units if not spec.is_block(u.name)])
                 per_kind[kind], edges = built[kind, others]
-            units = [dataclasses.replace(u, name=u.name.replace(stand_in, spec.block_name(index), 1))
-                     for index in blocks for u, stand_in in per_kind[spec.block_kind(job.model, index)]]
+            units = [dataclasses.replace(u,
+                                         name=u.name.replace(stand_in, spec.block_name(index), 1))
+                     for index in blocks
+                     for u, stand_in in per_kind[spec.block_kind(job.model, index)]]
             by_stage[stage] = StageHoldings(stage, modules, units + edges, blocks)
-    return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank, job.parallel.pp_schedule)]
+    return [[by_stage[s] for s in stage_ids(r, dims.pp, dims.pp_stages_per_rank,
+                                            job.parallel.pp_schedule)]
             for r in range(dims.pp)]
 
 
-def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool, optim: OptimConfig) -> list[Unit]:
-    """The FSDP units of a parallelized model (see apply_fsdp): each block (with expert parallel, its
-    experts apart), the embedding, the head, then the root's own parameters."""
+def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool,
+           optim: OptimConfig) -> list[Unit]:
+    """The FSDP units of a parallelized model (see apply_fsdp): each block (with expert parallel,
+    its experts apart), the embedding, the head, then the root's own parameters."""
     optimizer = optimizer_of(optim)
     units = []
     claimed = set()
     embedding, head = edge_units(spec.part(model, spec.embedding), spec.head_modules(model))
-    for name, modules in (("embedding", [embedding] if embedding is not None else []), ("head", head)):
+    for name, modules in (("embedding", [embedding] if embedding is not None else []),
+                          ("head", head)):
         if modules:
             params = [p for m in modules for p in m.parameters()]
             units.append(_unit(name, params))
@@ -147,10 +159,11 @@ def _units(model: torch.nn.Module, spec: ModelSpec, experts_apart: bool, optim: 
             return optimizer.matrix_flops(rows, cols, optim) if optimizer.matrix_flops else 0.0
 
         for layer in moe_layers(block) if experts_apart else []:
-            units.append(_unit(f"{spec.block_name(index)}.experts", layer.experts.parameters(), apart, flops))
+            units.append(_unit(f"{spec.block_name(index)}.experts", layer.experts.parameters(),
+                               apart, flops))
             claimed |= {id(p) for p in layer.experts.parameters()}
-        units.append(_unit(spec.block_name(index), (p for p in block.parameters() if id(p) not in claimed), apart,
-                           flops))
+        units.append(_unit(spec.block_name(index),
+                           (p for p in block.parameters() if id(p) not in claimed), apart, flops))
         claimed |= {id(p) for p in block.parameters()}
     units.append(_unit("root", (p for p in model.parameters() if id(p) not in claimed)))
     return units
@@ -168,7 +181,8 @@ def _unit(name: str, params, apart=lambda p: False, flops=lambda rows, cols: 0.0
             unit.apart_largest = max(unit.apart_largest, rows * cols)
             held = math.prod((p.to_local() if isinstance(p, DTensor) else p).shape[-2:])
             unit.apart_flops += flops(rows, cols) * local / (rows * cols)
-            unit.apart_moved += local * (1 - held / (rows * cols))  # a matrix split n ways: (n - 1) / n
+            # a matrix split n ways: (n - 1) / n
+            unit.apart_moved += local * (1 - held / (rows * cols))
     return unit
 
 
@@ -178,6 +192,7 @@ def _fsdp_factor(p: torch.Tensor) -> int:
         return 1
     mesh, factor = p.device_mesh, 1
     for name, placement in zip(mesh.mesh_dim_names or (), p.placements):
-        if name in FSDP_DIMS and not isinstance(placement, Replicate):  # Shard, or FSDP's strided shard over TP's
+        # Shard, or FSDP's strided shard over TP's
+        if name in FSDP_DIMS and not isinstance(placement, Replicate):
             factor *= mesh.size(mesh.mesh_dim_names.index(name))
     return factor

@@ -1,10 +1,10 @@
 """Bytes each rank holds at its peak, term by term.
 
-The parameters' terms come from the real module tree (layout.py); a block's activations are counted by
-its family (its spec's memory terms, from the model's shapes, tensor by tensor, as the code saves them
-for backward). Two moments compete for the
-peak: the start of backward (every saved activation, the head's and loss's gradients and a chunk of logits) and the
-optimizer step (every gradient, plus the temporaries of the fused AdamW update).
+The parameters' terms come from the real module tree (layout.py); a block's activations are counted
+by its family (its spec's memory terms, from the model's shapes, tensor by tensor, as the code saves
+them for backward). Two moments compete for the
+peak: the start of backward (every saved activation, the head's and loss's gradients and a chunk of
+logits) and the optimizer step (every gradient, plus the temporaries of the fused AdamW update).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ TERMS = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
 
 
 def gathered_bytes_per_element(param_bytes: int, float8_share: float, float8: str | None) -> float:
-    """What FSDP gathers per parameter: tensorwise float8 gathers the float8 layers' weights in one byte."""
+    """What FSDP gathers per parameter: tensorwise float8 gathers the float8 layers' weights in one
+    byte."""
     return param_bytes - (param_bytes - 1) * float8_share * (float8 == "tensorwise")
 
 
@@ -77,7 +78,8 @@ def loss_bytes(s: Shapes, in_flight: int = 1) -> float:
     return norm_input + in_flight * held + max(forward, backward)
 
 
-def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank: int, n_microbatches: int) -> int:
+def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank: int,
+                           n_microbatches: int) -> int:
     """Stage-microbatches whose activations one pipeline rank holds at once, at most.
 
     gpipe runs every forward first; 1F1B-style schedules hold as many as the stages still ahead
@@ -98,9 +100,9 @@ def microbatches_in_flight(schedule: str | None, pp: int, pp_rank: int, per_rank
 def saved_activations(costs: Costs, s: Shapes, blocks: list[int], n_stages: int, in_flight: int,
                       activation_checkpoint: str, checkpointed_share: float, selective_policy: str,
                       schedule: str | None) -> float:
-    """The bytes the blocks keep for backward at its start: `in_flight` stage-microbatches' forwards,
-    each of a stage of the rank (which holds `blocks` over its `n_stages` stages), under the
-    checkpointing mode."""
+    """The bytes the blocks keep for backward at its start: `in_flight` stage-microbatches'
+    forwards, each of a stage of the rank (which holds `blocks` over its `n_stages` stages), under
+    the checkpointing mode."""
     saved = [costs.activation_bytes(s, i) for i in blocks]
     if activation_checkpoint == "none":
         return in_flight * sum(saved) / n_stages
@@ -128,38 +130,66 @@ def gathered_at_backward(units: list, per_element: dict, schedule: str | None) -
     # The head (and a root holding tied weights) stays gathered, and a block computes while the next
     # is gathered. The embedding was resharded after forward.
     kept = sum(u.gathered * per_element[u.name] for u in units if u.name in ("head", "root"))
-    blocks = [u.gathered * per_element[u.name] for u in units if u.name not in ("embedding", "head", "root")]
+    blocks = [u.gathered * per_element[u.name] for u in units
+              if u.name not in ("embedding", "head", "root")]
     return kept + sum(blocks[:2])
 
 
-def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shapes, *, activation_checkpoint: str,
-                checkpointed_share: float, schedule: str | None, pp: int, n_microbatches: int, grad_accum: int,
-                param_bytes: int, has_loss: bool, selective_policy: str = "half_mm",
-                float8: str | None = None, float8_share: float = 0.0,
-                optimizer: OptimizerSpec = ADAMW) -> RankMemory:
+def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shapes, *,
+                activation_checkpoint: str, checkpointed_share: float, schedule: str | None,
+                pp: int, n_microbatches: int, grad_accum: int, param_bytes: int, has_loss: bool,
+                selective_policy: str = "half_mm", float8: str | None = None,
+                float8_share: float = 0.0, optimizer: OptimizerSpec = ADAMW) -> RankMemory:
     """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
     float8 linear layers (the experts' grouped GEMMs are not); `optimizer`: the job's (its state per
     element, and whether it updates the matrices it treats apart whole)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     params = sharded * FP32
     grads = sharded * FP32
-    apart = sum(u.apart for stage in stages for u in stage.units) if optimizer.apart is not None else 0
-    states = (optimizer.state_words * (sharded - apart) + optimizer.apart_state_words * apart) * FP32
+    apart = (sum(u.apart for stage in stages for u in stage.units) if optimizer.apart is not None
+             else 0)
+    words = optimizer.state_words * (sharded - apart) + optimizer.apart_state_words * apart
+    states = words * FP32
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     edges = ("embedding", "head", "root")
-    in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts") else 0.0
+    in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts")
+                 else 0.0
                  for u in units}
-    per_element = {u.name: gathered_bytes_per_element(param_bytes, in_float8[u.name], float8) for u in units}
+    per_element = {u.name: gathered_bytes_per_element(param_bytes, in_float8[u.name], float8)
+                   for u in units}
     gathered = gathered_at_backward(units, per_element, schedule)
     blocks = [i for stage in stages for i in stage.blocks]
     in_flight = microbatches_in_flight(schedule, pp, pp_rank, len(stages), n_microbatches)
-    saved = saved_activations(costs, s, blocks, len(stages), in_flight, activation_checkpoint, checkpointed_share,
-                              selective_policy, schedule)
-    # gpipe runs every forward before any backward; the other schedules run the loss stage's backward
-    # right after its forward.
+    saved = saved_activations(costs, s, blocks, len(stages), in_flight, activation_checkpoint,
+                              checkpointed_share, selective_policy, schedule)
+    # gpipe runs every forward before any backward; the other schedules run the loss stage's
+    # backward right after its forward.
     loss_in_flight = n_microbatches if schedule == "gpipe" else 1
     activations = saved + (loss_bytes(s, loss_in_flight) if has_loss else 0)
 
+    buffers = backward_buffers(units, stages, blocks, costs, s, activation_checkpoint, float8,
+                               in_float8, schedule, in_flight)
+    held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
+
+    start_of_backward = params + states + gathered + activations + buffers + held_grads
+    # An update in place, tensor by tensor (the fused AdamW's) holds no temporary worth counting.
+    # One that updates each matrix apart whole (Muon: the update takes the gradients' place) holds
+    # the matrices this rank updates in one round of the exchange (about as many elements as it
+    # holds, at most ROUND_ELEMENTS or the largest matrix) received, gathered, in the iteration and
+    # sent back: four copies at most.
+    optimizer_step = params + states + grads
+    if apart and optimizer.whole_matrices:
+        largest = max(u.apart_largest for stage in stages for u in stage.units)
+        optimizer_step += 4 * min(apart, max(ROUND_ELEMENTS, largest)) * FP32
+    return RankMemory(pp_rank, params, grads, states, gathered, activations, buffers,
+                      max(start_of_backward, optimizer_step))
+
+
+def backward_buffers(units: list, stages: list[StageHoldings], blocks: list[int], costs: Costs,
+                     s: Shapes, activation_checkpoint: str, float8: str | None, in_float8: dict,
+                     schedule: str | None, in_flight: int) -> float:
+    """What backward holds beside the saved activations: a unit's gradients, float8 weight copies,
+    a pipeline's stage inputs and their gradients."""
     largest_unit = max((u.gathered for u in units), default=0)
     # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them. Without
     # checkpointing they appear as the block's backward frees what it saved, so only what exceeds a
@@ -167,7 +197,8 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     # forward is recomputed.
     buffers = 2 * largest_unit * FP32
     if activation_checkpoint == "none":
-        buffers = max(0.0, buffers - min((costs.activation_bytes(s, i) for i in blocks), default=0.0))
+        buffers = max(0.0,
+                      buffers - min((costs.activation_bytes(s, i) for i in blocks), default=0.0))
     if float8 is not None:
         # The float8 copies of the computing unit's weights (gathered in high precision, then cast;
         # under tensorwise a transposed copy for backward), one byte an element.
@@ -177,17 +208,4 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
         # stage's input is token ids.
         receiving = sum(1 for stage in stages if stage.stage != 0) / len(stages)
         buffers += 2 * receiving * in_flight * s.tokens * s.model.dim * s.act_bytes
-    held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
-
-    start_of_backward = params + states + gathered + activations + buffers + held_grads
-    # An update in place, tensor by tensor (the fused AdamW's) holds no temporary worth counting. One
-    # that updates each matrix apart whole (Muon: the update takes the gradients' place) holds the
-    # matrices this rank updates in one round of the exchange (about as many elements as it holds, at
-    # most ROUND_ELEMENTS or the largest matrix) received, gathered, in the iteration and sent back:
-    # four copies at most.
-    optimizer_step = params + states + grads
-    if apart and optimizer.whole_matrices:
-        largest = max(u.apart_largest for stage in stages for u in stage.units)
-        optimizer_step += 4 * min(apart, max(ROUND_ELEMENTS, largest)) * FP32
-    return RankMemory(pp_rank, params, grads, states, gathered, activations, buffers,
-                      max(start_of_backward, optimizer_step))
+    return buffers

@@ -33,8 +33,8 @@ def candidates(job: JobConfig, gpus: int, device: Device):
     """The overrides of every layout to try."""
     m = job.model
     for tp in _powers_of_two(min(device.per_node, gpus)):
-        # cp up to 32: long contexts, and batches too small to split the ranks otherwise (an MoE model's
-        # experts are sharded over dp_shard x cp only).
+        # cp up to 32: long contexts, and batches too small to split the ranks otherwise (an MoE
+        # model's experts are sharded over dp_shard x cp only).
         for cp in _powers_of_two(min(32, gpus // tp)):
             for pp in _powers_of_two(min(16, gpus // (tp * cp), m.n_layers)):
                 dp = gpus // (tp * cp * pp)
@@ -45,18 +45,19 @@ def candidates(job: JobConfig, gpus: int, device: Device):
                     for schedule, per_rank in schedules:
                         for ep in _powers_of_two(n_experts(m)) if n_experts(m) else [1]:
                             for ac in AC_MODES:
-                                overrides = {"parallel.tp": tp, "parallel.cp": cp, "parallel.pp": pp,
+                                overrides = {"parallel.tp": tp, "parallel.cp": cp,
+                                             "parallel.pp": pp,
                                              "parallel.dp_replicate": dp_replicate,
-                                             "parallel.dp_shard": dp // dp_replicate, "parallel.ep": ep,
-                                             "parallel.pp_schedule": schedule,
-                                             "parallel.pp_stages_per_rank": per_rank if pp > 1 else None,
-                                             "training.activation_checkpoint": ac}
+                                             "parallel.dp_shard": dp // dp_replicate,
+                                             "parallel.ep": ep, "parallel.pp_schedule": schedule,
+                                             "parallel.pp_stages_per_rank": per_rank if pp > 1
+                                             else None, "training.activation_checkpoint": ac}
                                 yield overrides
 
 
 def apply_overrides(job: JobConfig, overrides: dict) -> JobConfig:
-    """`job` with `overrides` (section.key -> value): new copies of the sections they touch, the others
-    shared (a deep copy of the whole job a candidate was a third of the search's time)."""
+    """`job` with `overrides` (section.key -> value): new copies of the sections they touch, the
+    others shared (a deep copy of the whole job a candidate was a third of the search's time)."""
     sections: dict[str, dict] = {}
     for key, value in overrides.items():
         section, name = key.split(".")
@@ -73,9 +74,9 @@ def parameter_counts(job: JobConfig) -> tuple[int, int]:
 
 
 def states_bound(counts: tuple[int, int], layout: dict, per_param: float = 16) -> float:
-    """A lower bound of a rank's peak under `layout`: its share of the fp32 parameters, gradients and
-    optimizer state (`per_param` bytes: 16 with AdamW's two moments, at least 12 under Muon's one), the
-    experts sharded over pp x dp_shard x cp, the rest also over tp."""
+    """A lower bound of a rank's peak under `layout`: its share of the fp32 parameters, gradients
+    and optimizer state (`per_param` bytes: 16 with AdamW's two moments, at least 12 under Muon's
+    one), the experts sharded over pp x dp_shard x cp, the rest also over tp."""
     total, experts = counts
     shards = layout["parallel.pp"] * layout["parallel.dp_shard"] * layout["parallel.cp"]
     return per_param * (experts / shards + (total - experts) / (shards * layout["parallel.tp"]))
@@ -85,30 +86,36 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
            who: str = "--search") -> list[tuple[Plan, dict]]:
     """Plans that fit, best first, each with the overrides that give it. A layout whose parameter
     states alone exceed the device's memory is not planned; one that sets a `pinned` key (its value
-    as written on a command line) otherwise is not tried. `who` names the asker in a config error."""
-    pinned = {key: value for key, value in (pinned or {}).items() if value != "-1"}  # -1: the rest, not a pin
-    check_ranges(job)  # what the candidates change (degrees, checkpointing, accumulation) is in range
+    as written on a command line) otherwise is not tried. `who` names the asker in a config
+    error."""
+    # -1: the rest, not a pin
+    pinned = {key: value for key, value in (pinned or {}).items() if value != "-1"}
+    # what the candidates change (degrees, checkpointing, accumulation) is in range
+    check_ranges(job)
     fitting, rejected, best_misfit = _plan_candidates(job, gpus, device, pinned)
     if not fitting:
         reasons = ", ".join(f"{rule} ({n})" for rule, n in rejected.most_common(5))
         closest = ""
         if best_misfit is not None:
-            closest = (f"; the smallest peak is {best_misfit[0] / GIB:.1f} GiB of {device.memory_gib * 0.9:.1f} usable "
+            closest = (f"; the smallest peak is {best_misfit[0] / GIB:.1f} GiB of "
+                       f"{device.memory_gib * 0.9:.1f} usable "
                        f"({describe_overrides(best_misfit[1])})")
         kept = f" with {' '.join(f'{k}={v}' for k, v in pinned.items())} kept" if pinned else ""
         hint = _what_fits(job, gpus, device, pinned)
-        raise ConfigError(f"{who}: no layout of {job.model.name} on {gpus} x {device.name}{kept} fits{closest}; "
-                          f"rules that ruled out candidates: {reasons or 'none'}{hint}")
-    # At equal predictions the fewer pipeline microbatches first: each costs launches and sends the plan
-    # does not count (4 CPU ranks, pp=4: 16 microbatches ran 8% below the default's, predicted equal).
-    fitting.sort(key=lambda item: (-item[0].tokens_per_s, int(item[1].get("parallel.pp_microbatches") or 0),
-                                   item[0].peak))
+        raise ConfigError(f"{who}: no layout of {job.model.name} on {gpus} x {device.name}{kept} "
+                          f"fits{closest}; rules that ruled out candidates: "
+                          f"{reasons or 'none'}{hint}")
+    # At equal predictions the fewer pipeline microbatches first: each costs launches and sends the
+    # plan does not count (4 CPU ranks, pp=4: 16 microbatches
+    # ran 8% below the default's, predicted equal).
+    fitting.sort(key=lambda item: (-item[0].tokens_per_s,
+                                   int(item[1].get("parallel.pp_microbatches") or 0), item[0].peak))
     return fitting
 
 
 def _what_fits(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]) -> str:
-    """The smallest change that fits, where every microbatch size and checkpointing mode did not: the
-    pinned keys let go, else more devices (up to 16x)."""
+    """The smallest change that fits, where every microbatch size and checkpointing mode did not:
+    the pinned keys let go, else more devices (up to 16x)."""
     if pinned:
         fitting = _plan_candidates(job, gpus, device, {})[0]
         if fitting:
@@ -125,8 +132,8 @@ def _fastest(fitting: list[tuple[Plan, dict]]) -> dict:
 
 
 def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]):
-    """The plans that fit (with their overrides), the count of candidates each rule ruled out, and the
-    smallest peak of those that did not fit (with its overrides)."""
+    """The plans that fit (with their overrides), the count of candidates each rule ruled out, and
+    the smallest peak of those that did not fit (with its overrides)."""
     fitting: list[tuple[Plan, dict]] = []
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
@@ -165,7 +172,8 @@ def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str
 
 def keeps(overrides: dict, pinned: dict[str, str]) -> bool:
     """Whether `overrides` agrees with every pinned key it sets."""
-    return all(key not in overrides or _as_written(overrides[key]) == value for key, value in pinned.items())
+    return all(key not in overrides or _as_written(overrides[key]) == value
+               for key, value in pinned.items())
 
 
 def _as_written(value) -> str:
@@ -178,9 +186,10 @@ def _rule(message: str) -> str:
 
 
 def describe_overrides(overrides: dict) -> str:
-    short = {"parallel.dp_replicate": "rep", "parallel.dp_shard": "shard", "parallel.tp": "tp", "parallel.cp": "cp",
-             "parallel.pp": "pp", "parallel.ep": "ep", "training.activation_checkpoint": "ac",
-             "training.grad_accum_steps": "accum", "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched"}
+    short = {"parallel.dp_replicate": "rep", "parallel.dp_shard": "shard", "parallel.tp": "tp",
+             "parallel.cp": "cp", "parallel.pp": "pp", "parallel.ep": "ep",
+             "training.activation_checkpoint": "ac", "training.grad_accum_steps": "accum",
+             "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched"}
     parts = []
     for key, value in overrides.items():
         if key == "parallel.pp_stages_per_rank" or (key == "parallel.ep" and value == 1):
@@ -191,10 +200,11 @@ def describe_overrides(overrides: dict) -> str:
     return " ".join(parts)
 
 
-def format_search(results: list[tuple[Plan, dict]], job: JobConfig, gpus: int, device: Device) -> str:
+def format_search(results: list[tuple[Plan, dict]], job: JobConfig, gpus: int,
+                  device: Device) -> str:
     t = job.training
-    lines = [f"{job.model.name} on {gpus} x {device.name}, batch {t.global_batch_size} x {t.seq_len}: "
-             f"{len(results)} best layouts that fit, by predicted tokens/s", ""]
+    lines = [f"{job.model.name} on {gpus} x {device.name}, batch {t.global_batch_size} x "
+             f"{t.seq_len}: {len(results)} best layouts that fit, by predicted tokens/s", ""]
     for i, (plan, overrides) in enumerate(results, 1):
         lines.append(f"{i:>2}. {plan.tokens_per_s:>12,.0f} tok/s  MFU {100 * plan.mfu:4.1f}%  "
                      f"peak {plan.peak / GIB:5.1f} GiB  {describe_overrides(overrides)}")

@@ -9,9 +9,10 @@ from trainer.parallel.pipeline import SINGLE_STAGE, V_SHAPED
 from trainer.plan.devices import Device
 
 # The matmuls' share of the peak is the device's (devices.py: Efficiency). Mixture-of-experts blocks
-# also sort, gather and scatter their tokens, work the FLOPs leave out: measured on CPU (ep2, dim 512,
-# seq 512) 0.8 of a dense model's rate on an AVX2 box, 0.95-1.0 on a Zen 4 (avx512) box (plan 16-23%
-# under the measurement at 0.8, two sittings): 0.9 keeps both within 15%. Not measured on GPUs: 0.8.
+# also sort, gather and scatter their tokens, work the FLOPs leave out: measured on CPU (ep2, dim
+# 512, seq 512) 0.8 of a dense model's rate on an AVX2 box, 0.95-1.0 on a Zen 4 (avx512) box (plan
+# 16-23% under the measurement at 0.8, two sittings):
+# 0.9 keeps both within 15%. Not measured on GPUs: 0.8.
 MOE_EFFICIENCY = {"cuda": 0.8, "cpu": 0.9}
 
 
@@ -43,11 +44,35 @@ def ring_seconds(nbytes: float, ranks: int, gbps: float) -> float:
     return 0.0 if ranks <= 1 else nbytes * (ranks - 1) / ranks / (gbps * 1e9)
 
 
-def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims, gathered_bytes: float,
-              grad_bytes: float, sharded_grad_bytes: float, act_stream_bytes: float, kv_bytes: float,
-              expert_bytes: float, layers_per_rank: float, microbatches_per_rank: int,
-              recompute: float, selective: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
-              moe: bool = False, optimizer_flops: float = 0.0, optimizer_tflops: float = 0.0,
+def layout_share(device: Device, dims) -> float:
+    """The share of its peak a device computes at in this layout: alone, beside replicas only, or
+    beside collectives."""
+    if dims.world_size == dims.pp:
+        return device.efficiency.alone
+    if dims.world_size == dims.pp * dims.dp_replicate:
+        return device.efficiency.replicated
+    return device.efficiency.with_collectives
+
+
+def optimizer_seconds(device: Device, flops: float, tflops: float, share: float,
+                      exchanged_bytes: float, ranks: int) -> float:
+    """The optimizer's own work a step: its FLOPs at `share` of `tflops` (nan where the device's
+    peak is unknown, as for compute), and each rank's pieces sent to their owners and back (two
+    all-to-alls over the `ranks` sharing them)."""
+    seconds = 0.0
+    if flops:
+        seconds = flops / (tflops * 1e12 * share) if tflops > 0 else float("nan")
+    if exchanged_bytes:
+        seconds += 2 * exchanged_bytes / (link_gbps(device, 1, ranks) * 1e9)
+    return seconds
+
+
+def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims,
+              gathered_bytes: float, grad_bytes: float, sharded_grad_bytes: float,
+              act_stream_bytes: float, kv_bytes: float, expert_bytes: float, layers_per_rank: float,
+              microbatches_per_rank: int, recompute: float, selective: bool, schedule: str | None,
+              per_rank_stages: int, n_microbatches: int, moe: bool = False,
+              optimizer_flops: float = 0.0, optimizer_tflops: float = 0.0,
               exchanged_bytes: float = 0.0) -> StepTime:
     """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py);
     `recompute` is the share of blocks whose forward runs again in backward. The optimizer's own
@@ -55,16 +80,12 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     and the bytes of matrix pieces it sends to their owners (and receives back) over the FSDP x tp
     group."""
     tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
-    if dims.world_size == dims.pp:
-        share = device.efficiency.alone
-    elif dims.world_size == dims.pp * dp_rep:
-        share = device.efficiency.replicated
-    else:
-        share = device.efficiency.with_collectives
+    share = layout_share(device, dims)
     moe_share = MOE_EFFICIENCY[device.kind] if moe else 1.0
     tp_share = device.efficiency.tp if tp > 1 else 1.0
     peak = dtype_peak_tflops * 1e12 * share * moe_share * tp_share
-    compute = flops_per_rank / peak if peak > 0 else float("nan")  # nan: the device's peak is unknown
+    # nan: the device's peak is unknown
+    compute = flops_per_rank / peak if peak > 0 else float("nan")
 
     fsdp_ranks = dp_shard * cp
     fsdp_link = link_gbps(device, tp, fsdp_ranks)
@@ -75,7 +96,8 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     fsdp = ring_seconds(gathered_bytes, fsdp_ranks, fsdp_link) * gathers
     fsdp += ring_seconds(grad_bytes, fsdp_ranks, fsdp_link)
     if dp_rep > 1:  # HSDP: the shards' gradients all-reduced across replicas
-        fsdp += 2 * ring_seconds(sharded_grad_bytes, dp_rep, link_gbps(device, tp * cp * dp_shard, dp_rep))
+        fsdp += 2 * ring_seconds(sharded_grad_bytes, dp_rep,
+                                 link_gbps(device, tp * cp * dp_shard, dp_rep))
 
     passes = microbatches_per_rank * layers_per_rank
     # Sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, as many backward,
@@ -84,7 +106,8 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     tp_ops = (8 + 4 * recompute + (2 if selective else 0)) * passes
     tp_s = ring_seconds(act_stream_bytes, tp, link_gbps(device, 1, tp)) * tp_ops
     # Ring attention: K/V go round once forward and with their gradients once backward.
-    cp_s = 3 * (cp - 1) * kv_bytes * passes / (link_gbps(device, tp, cp) * 1e9) / 2 if cp > 1 else 0.0
+    cp_s = (3 * (cp - 1) * kv_bytes * passes / (link_gbps(device, tp, cp) * 1e9) / 2 if cp > 1
+            else 0.0)
     ep = dims.ep
     # Tokens to their experts and back, forward and backward.
     ep_s = ring_seconds(expert_bytes, ep, link_gbps(device, tp, ep)) * 4 * passes if ep > 1 else 0.0
@@ -93,14 +116,14 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     if schedule is not None:
         pp_link = link_gbps(device, tp * cp * dp_shard * dp_rep, dims.pp)
         pp_s = 2 * act_stream_bytes * microbatches_per_rank * per_rank_stages / (pp_link * 1e9)
-        bubble = max(0.0, pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches) - device.lent_idle)
-    optimizer_s = 0.0
-    if optimizer_flops:  # nan where the device's peak is unknown, as for compute
-        optimizer_s = optimizer_flops / (optimizer_tflops * 1e12 * share) if optimizer_tflops > 0 else float("nan")
-    if exchanged_bytes:  # each rank's pieces to their owners and back: two all-to-alls over the ranks sharing them
-        optimizer_s += 2 * exchanged_bytes / (link_gbps(device, 1, fsdp_ranks * tp) * 1e9)
+        bubble = max(0.0,
+                     pipeline_bubble(schedule, dims.pp, per_rank_stages, n_microbatches)
+                     - device.lent_idle)
+    optimizer_s = optimizer_seconds(device, optimizer_flops, optimizer_tflops, share,
+                                    exchanged_bytes, fsdp_ranks * tp)
     exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s + optimizer_s
-    return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, optimizer_s, bubble, exposed / (1 - bubble))
+    return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, optimizer_s, bubble,
+                    exposed / (1 - bubble))
 
 
 def pipeline_bubble(schedule: str, pp: int, per_rank: int, n_microbatches: int) -> float:

@@ -23,8 +23,8 @@ KEEP_BYTES = 2**31 - 1
 
 
 def reuse_freed_memory() -> bool:
-    """Large blocks from the heap (no mmap of their own), freed memory kept for reuse. False where the
-    C library is not glibc (nothing changed)."""
+    """Large blocks from the heap (no mmap of their own), freed memory kept for reuse. False where
+    the C library is not glibc (nothing changed)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False

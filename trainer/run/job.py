@@ -1,5 +1,6 @@
-"""The training job on each rank: the config checked (before any rank works), the process group joined,
-then trainer/run/setup.py builds the Trainer (trainer/run/loop.py), which runs the step loop."""
+"""The training job on each rank: the config checked (before any rank works), the process group
+joined, then trainer/run/setup.py builds the Trainer (trainer/run/loop.py), which runs the step
+loop."""
 
 from __future__ import annotations
 
@@ -41,19 +42,22 @@ def build_datasets(job: JobConfig):
     if job.validation.path is None:
         return (build_dataset(job.data, t.seq_len, t.seed, split) for split in ("train", "val"))
     val_data = dataclasses.replace(job.data, path=job.validation.path)
-    return build_dataset(job.data, t.seq_len, t.seed, "all"), build_dataset(val_data, t.seq_len, t.seed, "all")
+    return (build_dataset(job.data, t.seq_len, t.seed, "all"),
+            build_dataset(val_data, t.seq_len, t.seed, "all"))
 
 
 def run(cfg: DictConfig) -> None:
     """Runs the job `cfg` (the composed Hydra config) on this rank."""
     job = job_config(cfg)
     tokenizer = resolve_tokenizer(job.data.tokenizer, job.data.source, job.checkpoint.initial)
-    if tokenizer != job.data.tokenizer and not is_bytes(tokenizer) and int(os.environ.get("RANK", "0")) == 0:
-        print(f"data: data.tokenizer=auto takes the tokenizer beside checkpoint.initial: {tokenizer}", flush=True)
+    if (tokenizer != job.data.tokenizer and not is_bytes(tokenizer)
+        and int(os.environ.get("RANK", "0")) == 0):
+        print("data: data.tokenizer=auto takes the tokenizer beside checkpoint.initial: "
+              f"{tokenizer}", flush=True)
     job = dataclasses.replace(job, output_dir=group_output_dir(job),
                               data=dataclasses.replace(job.data, tokenizer=tokenizer))
-    # The config as it runs (saved as config.yaml, compared by reruns): the tokenizer it resolved to.
-    # Its model section is the family's config whole, every key at its value, defaults included.
+    # The config as it runs (saved as config.yaml, compared by reruns): the tokenizer it resolved
+    # to. Its model section is the family's config whole, every key at its value, defaults included.
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["tokenizer"] = tokenizer
     config["model"] = OmegaConf.to_container(OmegaConf.structured(job.model))
@@ -72,13 +76,14 @@ def run(cfg: DictConfig) -> None:
     except ConfigError as e:
         if job.device == "auto" and device.type == "cpu":  # a GPU recipe run where there is none
             plan = str(e).removeprefix("plan: ")
-            raise ConfigError(f"no GPU is visible, so device=auto runs on the CPU, where {plan}; for a CPU run "
-                              f"add +smoke=cpu (or device=cpu with a small model)") from None
+            raise ConfigError(f"no GPU is visible, so device=auto runs on the CPU, where {plan}; "
+                              "for a CPU run add +smoke=cpu (or device=cpu with a small "
+                              "model)") from None
         raise
     dataset, val_dataset = build_datasets(job)
     if dataset.vocab_size > job.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's {dataset.vocab_size} "
-                          f"(data.tokenizer={job.data.tokenizer})")
+        raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's "
+                          f"{dataset.vocab_size} (data.tokenizer={job.data.tokenizer})")
     if device.type == "cpu" and job.training.cpu_reuse_memory:
         reuse_freed_memory()
     enable_flight_recorder(job.output_dir)
@@ -86,7 +91,8 @@ def run(cfg: DictConfig) -> None:
     try:
         init_distributed(device, job.distributed.timeout_s)
         lock = OutputLock(job.output_dir, dist.get_rank())
-        watchdog = Watchdog(job.distributed.step_timeout_s, job.distributed.timeout_s, job.output_dir)
+        watchdog = Watchdog(job.distributed.step_timeout_s, job.distributed.timeout_s,
+                            job.output_dir)
         build_trainer(job, config, dims, checkpoint, device, dataset, val_dataset,
                       predicted, watchdog).fit()
     except TrainingStopped as e:
@@ -103,28 +109,32 @@ def run(cfg: DictConfig) -> None:
 
 
 def check_config_launched(job: JobConfig):
-    """check_config on this launch's world; run without a launcher (`python train.py`, one process), a
-    layout of several ranks is said as such, with the torchrun command that starts them."""
+    """check_config on this launch's world; run without a launcher (`python train.py`, one process),
+    a layout of several ranks is said as such, with the torchrun command that starts them."""
     try:
         return check_config(job, world_size())
     except ConfigError as e:
         p = job.parallel
-        fixed = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(p, k) > 1}
+        fixed = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+                 if getattr(p, k) > 1}
         if "WORLD_SIZE" in os.environ or not fixed or "world size" not in str(e):
             raise
         ranks = math.prod(fixed.values())
-        raise ConfigError(f"this layout ({' x '.join(f'{k}={v}' for k, v in fixed.items())}) needs {ranks} ranks at "
-                          f"least and `python train.py` is one process: launch it with torchrun "
-                          f"--nproc_per_node={ranks} train.py ... (or trainer-run)") from None
+        raise ConfigError(f"this layout ({' x '.join(f'{k}={v}' for k, v in fixed.items())}) needs "
+                          f"{ranks} ranks at least and `python train.py` is one process: launch it "
+                          f"with torchrun --nproc_per_node={ranks} train.py ... (or "
+                          "trainer-run)") from None
 
 
 def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> JobConfig:
-    """parallel=auto: the job in the layout the search chose (config, saved as config.yaml, records it)."""
+    """parallel=auto: the job in the layout the search chose (config, saved as config.yaml, records
+    it)."""
     if job.fault_tolerance.enabled:
-        raise ConfigError("parallel=auto cannot be combined with fault_tolerance.enabled=true: each replica group "
-                          "would choose its own layout; give the degrees")
+        raise ConfigError("parallel=auto cannot be combined with fault_tolerance.enabled=true: "
+                          "each replica group would choose its own layout; give the degrees")
     target = auto_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), job.plan.device)
-    _, chosen, said = in_own_process(choose_layout, job, world_size(), target, pinned_keys(command_line()))
+    _, chosen, said = in_own_process(choose_layout, job, world_size(), target,
+                                     pinned_keys(command_line()))
     note = calibration_note(job.plan.device, device.type)
     if int(os.environ.get("RANK", "0")) == 0:
         print(said if note is None else f"{note}\n{said}", flush=True)
@@ -135,7 +145,8 @@ def choose_auto_layout(job: JobConfig, config: dict, device: torch.device) -> Jo
 
 
 def check_memory(job: JobConfig, dims: ParallelDims, device: torch.device) -> float:
-    """The plan's peak bytes on this rank's pipeline position; a `config error:` if it will not fit."""
+    """The plan's peak bytes on this rank's pipeline position; a `config error:` if it will not
+    fit."""
     target = local_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     pp_rank = int(os.environ.get("RANK", "0")) // (dims.world_size // dims.pp)
     return in_own_process(_planned_peak, job, dims, target, pp_rank)
@@ -148,9 +159,9 @@ def _planned_peak(job: JobConfig, dims: ParallelDims, device, pp_rank: int) -> f
 
 
 def in_own_process(fn, *args):
-    """fn(*args) in a forked process: the plan builds fake worlds of the job's size, and nothing torch
-    keeps about them (a mesh's coordinates, measured: checkpoints then saved every rank's shards as
-    rank 0's) may reach the real one. Its config error is raised here."""
+    """fn(*args) in a forked process: the plan builds fake worlds of the job's size, and nothing
+    torch keeps about them (a mesh's coordinates, measured: checkpoints then saved every rank's
+    shards as rank 0's) may reach the real one. Its config error is raised here."""
     with multiprocessing.get_context("fork").Pool(1) as pool:
         result, error = pool.apply(_reporting, (fn, *args))
     if error is not None:

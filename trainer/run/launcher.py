@@ -12,12 +12,12 @@ A config error found by the ranks reaches the user through torchrun, which follo
 report of the failed ranks; found here first, it is one line and exit status 2.
 
 Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
-alone. The first Ctrl-C (or SIGTERM, SIGUSR1) goes to the ranks, which finish their step, save it and
-exit 0, and so does torchrun; torchrun itself, signalled, would stop its ranks within its shutdown
-timeout and exit 1 with a traceback, so it starts with those three signals ignored (and handling only
-SIGHUP and SIGQUIT: its --signals-to-handle): a signal sent to every process of the job reaches
-the ranks directly and from here, and ends the job as one Ctrl-C does. A second Ctrl-C stops everything
-at once: torchrun first (so it restarts nothing), then the ranks; exit status 130.
+alone. The first Ctrl-C (or SIGTERM, SIGUSR1) goes to the ranks, which finish their step, save it
+and exit 0, and so does torchrun; torchrun itself, signalled, would stop its ranks within its
+shutdown timeout and exit 1 with a traceback, so it starts with those three signals ignored (and
+handling only SIGHUP and SIGQUIT: its --signals-to-handle): a signal sent to every process of the
+job reaches the ranks directly and from here, and ends the job as one Ctrl-C does. A second Ctrl-C
+stops everything at once: torchrun first (so it restarts nothing), then the ranks; exit status 130.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     if Path(args.training_script).name == "train.py" and not (args.module or args.no_python):
         try:
             local = int(args.nproc_per_node) if args.nproc_per_node.isdigit() else 1
-            check_job_args(args.training_script_args, world_of(args.nproc_per_node, args.nnodes), local)
+            check_job_args(args.training_script_args, world_of(args.nproc_per_node, args.nnodes),
+                           local)
         except ConfigError as e:
             sys.stderr.write(f"config error: {e}\n")
             sys.exit(2)
@@ -51,12 +52,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_torchrun(argv: list[str]) -> int:
-    """torchrun with `argv` in a session of its own, the signals this process gets passed to its ranks;
-    torchrun's exit status, or 130 after a second Ctrl-C."""
-    # torchrun's --signals-to-handle (PET_ is its flags' environment prefix; older torch reads the second)
-    env = {**os.environ, "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], start_new_session=True,
-                             preexec_fn=_agent_signals, env=env)
+    """torchrun with `argv` in a session of its own, the signals this process gets passed to its
+    ranks; torchrun's exit status, or 130 after a second Ctrl-C."""
+    # torchrun's --signals-to-handle (PET_ is its flags'
+    # environment prefix; older torch reads the second)
+    env = {**os.environ, "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
+           "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv],
+                             start_new_session=True, preexec_fn=_agent_signals, env=env)
     interrupts = 0
 
     def forward(signum, frame) -> None:
@@ -90,10 +93,10 @@ def children(pid: int) -> list[int]:
 
 
 def _agent_signals() -> None:
-    """In torchrun's process, before it starts: the stop signals ignored (this process passes them to
-    the ranks, which take them again: trainer.run.stop.default_signals), and SIGHUP when this process
-    dies, however it dies (Linux's prctl; elsewhere nothing), so torchrun stops its ranks rather than
-    outliving its launcher."""
+    """In torchrun's process, before it starts: the stop signals ignored (this process passes them
+    to the ranks, which take them again: trainer.run.stop.default_signals), and SIGHUP when this
+    process dies, however it dies (Linux's prctl; elsewhere nothing), so torchrun stops its ranks
+    rather than outliving its launcher."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     if sys.platform == "linux":
@@ -129,7 +132,8 @@ def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1
     import_modules(job.imports)
     if world is None:
         return
-    if job.parallel.auto:  # in a process of its own: a GPU's figures would start CUDA in this long-lived one
+    # in a process of its own: a GPU's figures would start CUDA in this long-lived one
+    if job.parallel.auto:
         from trainer.plan.search import apply_overrides
         from trainer.run.job import in_own_process
 
@@ -147,7 +151,8 @@ def _auto_layout(job, world: int, local_ranks: int, overrides: list[str]) -> dic
 
 
 def world_of(nproc_per_node: str, nnodes: str) -> int | None:
-    """The ranks torchrun will start, when its arguments fix them (not `auto`, not MIN:MAX nodes)."""
+    """The ranks torchrun will start, when its arguments fix them (not `auto`, not MIN:MAX
+    nodes)."""
     low, _, high = nnodes.partition(":")
     if not (nproc_per_node.isdigit() and low.isdigit() and high in ("", low)):
         return None

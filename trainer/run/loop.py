@@ -1,9 +1,10 @@
-"""One rank's step loop (`fit`): batch, forward and backward (or the pipeline schedule), reduce, clip,
-guard, optimizer step, then log and save. Its pieces are built by `trainer.run.setup.build_trainer`.
-What acts around the step is not named here: the features are step parts (`trainer/step_parts.py`),
-called at fixed points and told each phase the loop enters; the replica groups (`self.replicas`, the
-job as one group without fault tolerance) take the quorum before a step and commit its update; the
-passes (`trainer/run/passes.py`) hold what differs under a pipeline."""
+"""One rank's step loop (`fit`): batch, forward and backward (or the pipeline schedule), reduce,
+clip, guard, optimizer step, then log and save. Its pieces are built by
+`trainer.run.setup.build_trainer`. What acts around the step is not named here: the features are
+step parts (`trainer/step_parts.py`), called at fixed points and told each phase the loop enters;
+the replica groups (`self.replicas`, the job as one group without fault tolerance) take the quorum
+before a step and commit its update; the passes (`trainer/run/passes.py`) hold what differs under a
+pipeline."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class Trainer:
     log: Callable[..., None]  # prints on rank 0
     model: nn.ModuleList  # this rank's model parts (its pipeline stages), as one module
     model_parts: list[nn.Module]
-    passes: Passes  # this rank's forward and backward (plain or the pipeline schedule's), forward only
+    # this rank's forward and backward (plain or the pipeline schedule's), forward only
+    passes: Passes
     optimizer: torch.optim.Optimizer
     state: TrainState  # what a checkpoint holds of the model and optimizer
     data: StepData
@@ -63,7 +65,8 @@ class Trainer:
     def __post_init__(self):
         self.training = self.job.training
         self.first_step = self.step + 1  # the first step this run trains
-        self.first_trained: int | None = None  # the same, once trained (a quorum may have moved the run)
+        # the same, once trained (a quorum may have moved the run)
+        self.first_trained: int | None = None
 
     def fit(self) -> None:
         """Trains up to training.steps, or until a signal stops the run."""
@@ -78,13 +81,14 @@ class Trainer:
         self.finish()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """Trains the step after self.step: forward and backward over its microbatches (a round of them
-        per replica share, each round accumulating into the gradients), then clipping, the guard and
-        the optimizer step. Returns (this rank's loss, the gradient norm, the lr) once the step counts;
-        None when it does not, self.step then being where the run goes on from: the replica groups
-        did not all finish it (it is trained again), a part moved the run (a loss spike's rollback),
-        or the quorum brought a peer group's state from past the last step."""
-        shares = self.replicas.start_step()  # (a group behind the others takes their state, and step)
+        """Trains the step after self.step: forward and backward over its microbatches (a round of
+        them per replica share, each round accumulating into the gradients), then clipping, the
+        guard and the optimizer step. Returns (this rank's loss, the gradient norm, the lr) once the
+        step counts; None when it does not, self.step then being where the run goes on from: the
+        replica groups did not all finish it (it is trained again), a part moved the run (a loss
+        spike's rollback), or the quorum brought a peer group's state from past the last step."""
+        # (a group behind the others takes their state, and step)
+        shares = self.replicas.start_step()
         step = self.step + 1
         if step > self.training.steps:
             return None
@@ -98,11 +102,13 @@ class Trainer:
             loss = loss + self.passes.train(microbatches, scale)
         self.step_parts.after_backward(step)
         loss = self.replicas.reduce(self.model.parameters(), loss)
-        grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm, loss)
+        grad_norm, loss_sum = clip_and_sum_loss_(self.model.parameters(), self.training.max_norm,
+                                                 loss)
         skip = self.guard.check(step, loss_sum / self.passes.loss_ranks, grad_norm)
         self.step_parts.before_optimizer_step(step, skip, self.passes.microbatches * len(rounds))
         lr = self.scheduler.get_last_lr()[0]
-        # The fused AdamW leaves weights, moments and its step count as they were when found_inf is 1.
+        # The fused AdamW leaves weights, moments and its
+        # step count as they were when found_inf is 1.
         self.optimizer.found_inf = skip
         counted = self.replicas.commit(self.update)
         self.optimizer.zero_grad(set_to_none=True)
@@ -119,7 +125,8 @@ class Trainer:
         counts = [supervised_count(microbatches, self.dims, self.device) for microbatches in rounds]
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self.supervised = self.replicas.sum_counts(sum(counts, zero))
-        return supervised_scale(self.supervised, self.dims.view("dp_cp").size() * self.replicas.shares())
+        return supervised_scale(self.supervised,
+                                self.dims.view("dp_cp").size() * self.replicas.shares())
 
     def update(self) -> None:
         """The optimizer's step and the learning rate's."""
@@ -140,12 +147,13 @@ class Trainer:
             self.say_stopped()
         return stop
 
-    def log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, validate: bool) -> None:
+    def log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+                 validate: bool) -> None:
         """The step's record (collective: the loss and statistics are the whole job's)."""
         self.step_parts.enter("metrics")
         step, dims = self.step, self.dims
-        record = {"step": step, "loss": job_loss(loss, dims), "grad_norm": grad_norm.item(), "lr": lr,
-                  "supervised_tokens": int(self.supervised.item())}
+        record = {"step": step, "loss": job_loss(loss, dims), "grad_norm": grad_norm.item(),
+                  "lr": lr, "supervised_tokens": int(self.supervised.item())}
         throughput = self.throughput.report(step)
         guarded, said = self.guard.report()
         if said:
@@ -166,10 +174,12 @@ class Trainer:
             record["val_loss"] = self.validation_loss()
         self.logger.log(record)
         measured, since = record["mem_tensor_gib"], record["mem_since_step"]
-        if self.predicted is not None and measured is not None and since > self.first_step:  # once, steady state
+        # once, steady state
+        if self.predicted is not None and measured is not None and since > self.first_step:
             predicted = self.predicted / 2**30
-            self.log(f"plan: measured peak {measured:.2f} GiB of tensors on rank 0 since step {since}, the steady "
-                     f"state (predicted {predicted:.2f}, {predicted / measured - 1:+.1%})")
+            self.log(f"plan: measured peak {measured:.2f} GiB of tensors on rank 0 since step "
+                     f"{since}, the steady state (predicted {predicted:.2f}, "
+                     f"{predicted / measured - 1:+.1%})")
             self.predicted = None
         self.throughput.reset(step)
 
@@ -178,51 +188,61 @@ class Trainer:
         self.step_parts.enter("validation", long=True)
         dims = self.dims
         batches = [self.data.validation(i) for i in range(self.job.validation.steps)]
-        count = supervised_count([m for microbatches in batches for m in microbatches], dims, self.device)
+        count = supervised_count([m for microbatches in batches for m in microbatches], dims,
+                                 self.device)
         scale = supervised_scale(count, dims.view("dp_cp").size())
-        return job_loss(sum(self.passes.evaluate(microbatches, scale) for microbatches in batches), dims)
+        return job_loss(sum(self.passes.evaluate(microbatches, scale) for microbatches in batches),
+                        dims)
 
     def roll_back(self) -> None:
-        """After a loss spike: back to the newest checkpoint, reading on past the spike's batch (collective).
-        With no checkpoint yet the step stays skipped."""
+        """After a loss spike: back to the newest checkpoint, reading on past the spike's batch
+        (collective). With no checkpoint yet the step stays skipped."""
         self.step_parts.enter("rollback", long=True)
         back = roll_back(self.state, self.checkpoint_dir, self.checkpointer, self.log)
         if back is None:
             return
         position = self.data.loader.position(self.step)
-        self.log(f"spike: step {self.step} skipped; rolled back to step {back}, reading on from sequence {position}")
-        self.set_progress({"step": back, "data_offset": position - back * self.training.global_batch_size})
+        self.log(f"spike: step {self.step} skipped; rolled back to step {back}, reading on from "
+                 f"sequence {position}")
+        self.set_progress({"step": back,
+                           "data_offset": position - back * self.training.global_batch_size})
 
     def saved_state(self) -> dict:
         """What a checkpoint of this step holds, once the guards let it be saved (collective)."""
         self.step_parts.enter("checkpoint", long=True)
-        self.guard.check_stop()  # a stop pending since the last log stops here, before anything is written
+        # a stop pending since the last log stops here, before anything is written
+        self.guard.check_stop()
         check_finite(self.model_parts, self.optimizer, self.step)
         return self.state.for_save(self.step, self.data.loader.position(self.step))
 
     def progress(self) -> dict:
-        """Where the run is, besides the weights and optimizer state (a recovering replica group's)."""
+        """Where the run is, besides the weights and optimizer state (a recovering replica
+        group's)."""
         return {"step": self.step, "data_offset": self.data.loader.offset}
 
     def set_progress(self, progress: dict) -> None:
         """Goes on from `progress` (a resume, a rollback, a peer group's state)."""
         self.step, self.data.loader.offset = progress["step"], progress["data_offset"]
         t = self.training
-        self.scheduler = build_scheduler(self.optimizer, t.warmup_steps, t.steps, self.job.optim.min_lr_ratio,
-                                         self.step)
+        self.scheduler = build_scheduler(self.optimizer, t.warmup_steps, t.steps,
+                                         self.job.optim.min_lr_ratio, self.step)
         self.throughput.reset(self.step)
 
     def say_stopped(self) -> None:
         received = self.stop.received
-        why = f"on a signal ({signal.Signals(received).name})" if received else "on a signal to another rank"
+        why = (f"on a signal ({signal.Signals(received).name})" if received
+               else "on a signal to another rank")
         if self.checkpointer is None:
-            self.log(f"stopped at step {self.step} {why}; nothing was saved (checkpoint.enabled=false)")
+            self.log(f"stopped at step {self.step} {why}; nothing was saved "
+                     "(checkpoint.enabled=false)")
         elif not self.replicas.saves_checkpoints():
-            self.log(f"stopped at step {self.step} {why}; this replica group saves no checkpoints (the quorum's "
-                     f"first group does); started again, it recovers from a peer group")
+            self.log(f"stopped at step {self.step} {why}; this replica group saves no checkpoints "
+                     "(the quorum's first group does); started again, it recovers from a peer "
+                     "group")
         else:
-            self.log(f"checkpoint: stopped at step {self.step} {why}: saved {self.checkpoint_dir}/step_{self.step}; "
-                     f"run the same command to go on from it (checkpoint.resume=auto)")
+            self.log(f"checkpoint: stopped at step {self.step} {why}: saved "
+                     f"{self.checkpoint_dir}/step_{self.step}; run the same command to go on from "
+                     "it (checkpoint.resume=auto)")
 
     def finish(self) -> None:
         peaks = rank_peaks(self.device, self.stop.group)
@@ -238,23 +258,26 @@ class Trainer:
         first = self.first_trained
         if first is not None and peaks:  # rank 0, once this run has trained
             saved = checkpoint_steps(self.checkpoint_dir) if self.checkpointer is not None else None
-            for line in summary_lines(first, self.step, self.training.steps, self.throughput.tokens_per_step,
-                                      time.perf_counter() - self.throughput.start, self.logger.speeds, peaks,
-                                      skipped, saved, steady=self.device.type == "cuda"):
+            for line in summary_lines(first, self.step, self.training.steps,
+                                      self.throughput.tokens_per_step,
+                                      time.perf_counter() - self.throughput.start,
+                                      self.logger.speeds, peaks, skipped, saved,
+                                      steady=self.device.type == "cuda"):
                 self.log(line)
         self.replicas.close()
         self.logger.close()
 
 
-def resume(job: JobConfig, dims: ParallelDims, checkpoint: CheckpointConfig, state: TrainState, data: StepData,
-           folders: Path | list[Path], log) -> int:
-    """Loads what checkpoint.* asks for (resume=auto: the newest in `folders`); returns the step to go
-    on from, with the data's position set to it (collective)."""
+def resume(job: JobConfig, dims: ParallelDims, checkpoint: CheckpointConfig, state: TrainState,
+           data: StepData, folders: Path | list[Path], log) -> int:
+    """Loads what checkpoint.* asks for (resume=auto: the newest in `folders`); returns the step to
+    go on from, with the data's position set to it (collective)."""
     t = job.training
     start_step, position, saved_world = restore(checkpoint, state, folders, job.model, log)
     if saved_world is not None and saved_world != dims.world_size:
-        log(f"world changed from {saved_world} to {dims.world_size} ranks: {describe_layout(dims)}, "
-            f"grad_accum_steps={dims.grad_accum_steps}, the global batch of {t.global_batch_size} sequences kept")
+        log(f"world changed from {saved_world} to {dims.world_size} ranks: "
+            f"{describe_layout(dims)}, grad_accum_steps={dims.grad_accum_steps}, the global batch "
+            f"of {t.global_batch_size} sequences kept")
     data.loader.offset = position - start_step * t.global_batch_size
     return start_step
 

@@ -15,8 +15,8 @@ from trainer.step_parts import StepPart
 
 
 class MoEUpkeep(StepPart):
-    def __init__(self, model_parts: list, spec: ModelSpec, dims: ParallelDims, layers: list[int], n_experts: int,
-                 device):
+    def __init__(self, model_parts: list, spec: ModelSpec, dims: ParallelDims, layers: list[int],
+                 n_experts: int, device):
         self.model_parts, self.spec, self.dims = model_parts, spec, dims
         self.stats = MoEStats(layers, n_experts, device, dims.ep)
 
@@ -35,15 +35,18 @@ class MoEStats:
     """The MoE layers' routing statistics on this rank, summed over steps until reported."""
 
     def __init__(self, layers: list[int], n_experts: int, device, ep: int = 1):
-        self.rows = {layer: row for row, layer in enumerate(layers)}  # the blocks with an MoE layer, by index
-        self.load = torch.zeros(len(layers), n_experts, device=device)  # slots routed per (MoE layer, expert)
+        # the blocks with an MoE layer, by index
+        self.rows = {layer: row for row, layer in enumerate(layers)}
+        # slots routed per (MoE layer, expert)
+        self.load = torch.zeros(len(layers), n_experts, device=device)
         self.ep = ep  # expert-parallel ranks, each holding a contiguous block of the experts
         self.totals = torch.zeros(2, device=device)  # load-balancing loss, dropped slots
         self.steps = 0
 
     def collect(self, parts: list, spec: ModelSpec, microbatches: int) -> None:
         """Takes each layer's records of the step just run: its last `microbatches` ones (a pipeline
-        schedule's first step also runs backward once more, on placeholder data, to infer shapes)."""
+        schedule's first step also runs backward once more, on placeholder data, to infer
+        shapes)."""
         for part in parts:
             for index, block in spec.block_modules(part).items():
                 for layer in moe_layers(block):
@@ -56,11 +59,11 @@ class MoEStats:
     def report(self, layer_copies: int) -> dict:
         """For the whole job since the last report (all-reduces over the world; call on every rank):
 
-        aux_loss: the load-balancing loss, averaged over layers, microbatches and ranks (no coefficient);
-        expert_load_{min,max,mean}: slots routed to one expert of one layer per step, over every
-        (layer, expert); expert_load_ep: the slots each expert-parallel rank's experts took over
-        all layers, relative to an even share (1.0 each when balanced; the largest is the straggler);
-        dropped_tokens: slots dropped per step over the capacity (0 when dropless).
+        aux_loss: the load-balancing loss, averaged over layers, microbatches and ranks (no
+        coefficient); expert_load_{min,max,mean}: slots routed to one expert of one layer per step,
+        over every (layer, expert); expert_load_ep: the slots each expert-parallel rank's experts
+        took over all layers, relative to an even share (1.0 each when balanced; the largest is the
+        straggler); dropped_tokens: slots dropped per step over the capacity (0 when dropless).
         `layer_copies` ranks hold each layer. Every rank routes its own tokens (tensor parallel
         with MoE requires sequence parallel), so the counts sum over ranks as they are.
         """

@@ -56,7 +56,8 @@ class OutputLock:
         except BlockingIOError:
             self.file.seek(0)
             holder = self.file.read().strip() or "a job that has not written its name yet"
-            return f"output_dir={output_dir} is in use by another job ({holder}): stop it, or choose another output_dir"
+            return (f"output_dir={output_dir} is in use by another job ({holder}): stop it, or "
+                    "choose another output_dir")
         self.file.seek(0)
         self.file.truncate()
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())

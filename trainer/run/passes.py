@@ -30,8 +30,8 @@ class Passes:
     """What this rank runs of a step. `train(microbatches, scale)`: forward and backward over its
     microbatches of one round, scaled by a supervised_scale -> its share of the loss (0 on pipeline
     ranks without the last stage); `evaluate`: the same, forward only. `microbatches`: the forward
-    passes of one round (a pipeline's microbatches are smaller than a rank's batch); `loss_ranks`: the
-    ranks that hold a loss (the last pipeline stage's)."""
+    passes of one round (a pipeline's microbatches are smaller than a rank's batch); `loss_ranks`:
+    the ranks that hold a loss (the last pipeline stage's)."""
 
     train: Callable[[list, torch.Tensor], torch.Tensor]
     evaluate: Callable[[list, torch.Tensor], torch.Tensor]
@@ -39,8 +39,8 @@ class Passes:
     loss_ranks: int
 
 
-def make_passes(job: JobConfig, dims: ParallelDims, device: torch.device, model_parts: list[nn.Module],
-                stages: list[int], mark=lambda phase: None) -> Passes:
+def make_passes(job: JobConfig, dims: ParallelDims, device: torch.device,
+                model_parts: list[nn.Module], stages: list[int], mark=lambda phase: None) -> Passes:
     """This rank's passes, plain or through the pipeline schedule. The model computes the sum of its
     token losses itself, given the labels (its LMHead). `mark` is told each phase the step enters
     (the watchdog's)."""
@@ -53,8 +53,8 @@ def make_passes(job: JobConfig, dims: ParallelDims, device: torch.device, model_
     def eval_fn(microbatches: list, scale: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for inputs, labels, positions in microbatches:
-            loss = forward_only(model_parts, stages, owners, pp_rank, pp_group, inputs.to(device), positions.to(device),
-                                labels.to(device))
+            loss = forward_only(model_parts, stages, owners, pp_rank, pp_group, inputs.to(device),
+                                positions.to(device), labels.to(device))
             if loss is not None:
                 total += loss * scale
         reshard(model_parts)
@@ -64,8 +64,8 @@ def make_passes(job: JobConfig, dims: ParallelDims, device: torch.device, model_
     # once a step, and the pipeline fills and drains once.
     n_microbatches = dims.grad_accum_steps * dims.pp_microbatches
     if not dims.pp_enabled:
-        return Passes(partial(forward_backward, model_parts[0], device=device, mark=mark), eval_fn, n_microbatches,
-                      dims.world_size)
+        return Passes(partial(forward_backward, model_parts[0], device=device, mark=mark), eval_fn,
+                      n_microbatches, dims.world_size)
     this_step = {}  # the step's supervised_scale, which the schedule's loss function applies
 
     def loss_fn(loss, labels):
@@ -74,21 +74,21 @@ def make_passes(job: JobConfig, dims: ParallelDims, device: torch.device, model_
         return loss.sum() * this_step["scale"]
 
     n_stages = dims.pp * dims.pp_stages_per_rank
-    schedule = build_schedule(job.parallel.pp_schedule, model_parts, stages, n_stages, pp_group, device,
-                              n_microbatches, loss_fn)
+    schedule = build_schedule(job.parallel.pp_schedule, model_parts, stages, n_stages, pp_group,
+                              device, n_microbatches, loss_fn)
 
     def step(microbatches: list, scale: torch.Tensor) -> torch.Tensor:
         this_step["scale"] = scale
-        return pipeline_step(schedule, microbatches, device=device, first=0 in stages, last=n_stages - 1 in stages,
-                             mark=mark)
+        return pipeline_step(schedule, microbatches, device=device, first=0 in stages, last=n_stages
+                             - 1 in stages, mark=mark)
 
     return Passes(step, eval_fn, n_microbatches, dims.world_size // dims.pp)
 
 
 def supervised_count(microbatches: list, dims: ParallelDims, device: torch.device) -> torch.Tensor:
     """The supervised tokens (labels not IGNORE_INDEX) of these microbatches over the data- and
-    context-parallel ranks: counted from the labels on the host, summed by one all-reduce of a scalar
-    on the device (no host sync)."""
+    context-parallel ranks: counted from the labels on the host, summed by one all-reduce of a
+    scalar on the device (no host sync)."""
     local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
     count = torch.tensor(float(local), dtype=torch.float64, device=device)
     if dims.view("dp_cp").size() > 1:
@@ -97,13 +97,14 @@ def supervised_count(microbatches: list, dims: ParallelDims, device: torch.devic
 
 
 def supervised_scale(count: torch.Tensor, ranks: int) -> torch.Tensor:
-    """The factor a rank's token losses take so that, averaged over `ranks` (the data-parallel ranks,
-    and under fault tolerance the replica shares, over which losses and gradients are averaged), they
-    make the mean over `count` supervised tokens."""
+    """The factor a rank's token losses take so that, averaged over `ranks` (the data-parallel
+    ranks, and under fault tolerance the replica shares, over which losses and gradients are
+    averaged), they make the mean over `count` supervised tokens."""
     return (ranks / count.clamp(min=1)).float()
 
 
-def forward_backward(model, microbatches: list, scale: torch.Tensor, *, device: torch.device, mark) -> torch.Tensor:
+def forward_backward(model, microbatches: list, scale: torch.Tensor, *, device: torch.device,
+                     mark) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns their scaled loss."""
     total = torch.zeros((), device=device)
     for i, (inputs, labels, positions) in enumerate(microbatches):
@@ -129,8 +130,8 @@ def pipeline_step(schedule, microbatches: list, *, device: torch.device, first: 
     # Every stage's blocks need the positions, and the last stage's head the labels: the schedule
     # splits them like the inputs.
     labels = labels.to(device)
-    schedule.step(*args, target=labels if last else None, losses=losses, positions=positions.to(device),
-                  labels=labels)
+    schedule.step(*args, target=labels if last else None, losses=losses,
+                  positions=positions.to(device), labels=labels)
     if not last:
         return torch.zeros((), device=device)
     return torch.stack([loss.detach() for loss in losses]).sum()

@@ -41,7 +41,8 @@ from trainer.tensors import local_tensor
 
 
 def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: CheckpointConfig,
-                  device: torch.device, dataset, val_dataset, predicted: float | None, watchdog: Watchdog) -> Trainer:
+                  device: torch.device, dataset, val_dataset, predicted: float | None,
+                  watchdog: Watchdog) -> Trainer:
     t = job.training
     dims.build_mesh(device.type)
     watchdog.groups = dims.group_names()
@@ -69,36 +70,53 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     faults = FaultInjection.from_env(rank, job.output_dir, model.parameters(), stop)
     data = build_data(job, dims, dataset, val_dataset, faults)
     checkpoint_dir = output_dir / "checkpoints"
-    # A replica group takes its state at its first quorum: from a peer group when one is past step 0,
-    # else (the whole job starts) from the newest checkpoint of any group.
+    # A replica group takes its state at its first quorum: from a peer group when one is past step
+    # 0, else (the whole job starts) from the newest checkpoint of any group.
     deferred = checkpoint if job.fault_tolerance.enabled else None
-    step = 0 if deferred is not None else resume(job, dims, checkpoint, state, data, checkpoint_dir, log)
+    step = 0 if deferred is not None else resume(job, dims, checkpoint, state, data, checkpoint_dir,
+                                                 log)
     if rank == 0 and step < t.steps:  # a finished run's config stays as it trained
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
 
-    checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config["model"], device, job.data.tokenizer, faults)
-    peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None  # only rank 0 logs mfu
+    checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config["model"], device,
+                                      job.data.tokenizer, faults)
+    # only rank 0 logs mfu
+    peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None
     trainer = Trainer(
-        job=job, dims=dims, device=device, log=log, model=model, model_parts=model_parts, passes=passes,
-        optimizer=optimizer, state=state, data=data, step=step,
+        job=job, dims=dims, device=device, log=log, model=model, model_parts=model_parts,
+        passes=passes, optimizer=optimizer, state=state, data=data, step=step,
         scheduler=build_scheduler(optimizer, t.warmup_steps, t.steps, job.optim.min_lr_ratio, step),
         replicas=OneGroup(), checkpointer=checkpointer, checkpoint_dir=checkpoint_dir,
-        logger=MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config, None if deferred else step,
-                             job.metrics.tensorboard.enabled),
-        throughput=Throughput(t.global_batch_size * t.seq_len, flops_per_token(job.model, t.seq_len), peak,
-                              dims.world_size, step, t.steps),
+        logger=MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config,
+                             None if deferred else step, job.metrics.tensorboard.enabled),
+        throughput=Throughput(t.global_batch_size * t.seq_len,
+                              flops_per_token(job.model, t.seq_len), peak, dims.world_size, step,
+                              t.steps),
         guard=StepGuard(t, device), stop=stop, param_mib=param_mib, predicted=predicted,
     )
+    attach(trainer, optimizer, watchdog, faults, deferred)
+    return trainer
+
+
+def attach(trainer: Trainer, optimizer, watchdog: Watchdog, faults: FaultInjection | None,
+           deferred: CheckpointConfig | None) -> None:
+    """What acts around the trainer's steps: the replica groups (under fault tolerance, which
+    resume at their first quorum: `deferred`) and the step parts."""
+    job, dims, device, log = trainer.job, trainer.dims, trainer.device, trainer.log
+    step = trainer.step
     if deferred is not None:
-        trainer.replicas = ReplicaGroups(job, model, optimizer, (trainer.progress, trainer.set_progress), device, log,
-                                         watchdog.phase, partial(resume_at_first_quorum, trainer, deferred))
+        trainer.replicas = ReplicaGroups(job, trainer.model, optimizer,
+                                         (trainer.progress, trainer.set_progress), device, log,
+                                         watchdog.phase,
+                                         partial(resume_at_first_quorum, trainer, deferred))
         trainer.replicas.set_step(step)
     health = health_check(job, dims, device, trainer.stop.group, log)
-    parts = build_step_parts(job, dims, device, model, model_parts, optimizer, watchdog, health, faults, step)
-    if t.spike.threshold is not None and t.spike.action == "rollback":
+    parts = build_step_parts(job, dims, device, trainer.model, trainer.model_parts, optimizer,
+                             watchdog, health, faults, step)
+    spike = job.training.spike
+    if spike.threshold is not None and spike.action == "rollback":
         parts.append(SpikeRollback(trainer.guard, trainer.roll_back))
     trainer.step_parts = StepParts(parts)
-    return trainer
 
 
 def resume_at_first_quorum(trainer: Trainer, checkpoint: CheckpointConfig, received: bool) -> None:
@@ -109,35 +127,42 @@ def resume_at_first_quorum(trainer: Trainer, checkpoint: CheckpointConfig, recei
         job = trainer.job
         groups = [trainer.checkpoint_dir.parent.parent / f"replica_group_{g}" / "checkpoints"
                   for g in range(job.parallel.dp_replicate)]
-        step = resume(job, trainer.dims, checkpoint, trainer.state, trainer.data, groups, trainer.log)
+        step = resume(job, trainer.dims, checkpoint, trainer.state, trainer.data, groups,
+                      trainer.log)
         trainer.set_progress({"step": step, "data_offset": trainer.data.loader.offset})
         trainer.replicas.set_step(trainer.step)
     trainer.logger.begin(trainer.step)
 
 
-def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, model_config: dict, device: torch.device,
-                       tokenizer: str, faults: FaultInjection | None) -> Checkpointer | None:
-    """The checkpointer (None with checkpoint.enabled=false); a `kill_save` fault fires before it publishes."""
+def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, model_config: dict,
+                       device: torch.device, tokenizer: str,
+                       faults: FaultInjection | None) -> Checkpointer | None:
+    """The checkpointer (None with checkpoint.enabled=false); a `kill_save` fault fires before it
+    publishes."""
     if not checkpoint.enabled:
         return None
-    checkpointer = Checkpointer(checkpoint_dir, checkpoint.interval, checkpoint.keep_last, checkpoint.async_save,
-                                model_config, device, tokenizer)
+    checkpointer = Checkpointer(checkpoint_dir, checkpoint.interval, checkpoint.keep_last,
+                                checkpoint.async_save, model_config, device, tokenizer)
     if faults is not None:
         checkpointer.before_publish = partial(faults.hang_or_kill, "kill_save")
     return checkpointer
 
 
-def build_step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module, model_parts: list,
-               optimizer, watchdog: Watchdog, health: RankHealth | None, faults: FaultInjection | None,
+def build_step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, model: nn.Module,
+                     model_parts: list,
+               optimizer, watchdog: Watchdog, health: RankHealth | None,
+                     faults: FaultInjection | None,
                step: int) -> list:
     """The features acting around the step, in the order their hooks run: the allocator's recorder
     first (it sees every part's allocations), the watchdog (a fault then hangs inside the phase it
-    names), the straggler check's clocks around the rest (an injected slowdown is timed in its phase),
-    the profiler around everything else."""
+    names), the straggler check's clocks around the rest (an injected slowdown is timed in its
+    phase), the profiler around everything else."""
     m, rank = job.metrics, dist.get_rank()
-    parts = [*([MemorySnapshot(m.memory_snapshot_step, job.output_dir, rank, device, known_tensors(model, optimizer))]
+    parts = [*([MemorySnapshot(m.memory_snapshot_step, job.output_dir, rank, device,
+                               known_tensors(model, optimizer))]
                if m.memory_snapshot_step is not None and device.type == "cuda" else []),
-             watchdog, *([health] if health else []), StepProfiler(m.profile_step, job.output_dir, rank, device)]
+             watchdog, *([health] if health else []),
+             StepProfiler(m.profile_step, job.output_dir, rank, device)]
     if faults is not None:
         parts.append(faults)
     if gathers_in_float8(float8_of(job.training)):
@@ -145,30 +170,36 @@ def build_step_parts(job: JobConfig, dims: ParallelDims, device: torch.device, m
     if n_experts(job.model):
         parts.append(MoEUpkeep(model_parts, family(job.model.family), dims, job.model.moe_layers(),
                                n_experts(job.model), device))
-    parts.append(MemoryFigures(device, model.parameters(), step, job.training.compile, watchdog.allow_slow_step))
+    parts.append(MemoryFigures(device, model.parameters(), step, job.training.compile,
+                               watchdog.allow_slow_step))
     return parts
 
 
-def health_check(job: JobConfig, dims: ParallelDims, device: torch.device, group, log) -> RankHealth | None:
+def health_check(job: JobConfig, dims: ParallelDims, device: torch.device, group,
+                 log) -> RankHealth | None:
     """The straggler check, on jobs of several ranks with metrics.health_every set (collective)."""
     m = job.metrics
     if m.health_every is None or dims.world_size == 1:
         return None
     stage = dims.view("pp").get_local_rank() if dims.pp_enabled else 0
-    return RankHealth(m.health_every, m.slow_rank_window, m.slow_rank_threshold, device, stage, group, log)
+    return RankHealth(m.health_every, m.slow_rank_window, m.slow_rank_threshold, device, stage,
+                      group, log)
 
 
-def build_data(job: JobConfig, dims: ParallelDims, dataset, val_dataset, faults: FaultInjection | None) -> StepData:
+def build_data(job: JobConfig, dims: ParallelDims, dataset, val_dataset,
+               faults: FaultInjection | None) -> StepData:
     ft = job.fault_tolerance
     eos_id = dataset.eos_id if job.data.document_mask else None
     corrupt = partial(faults.corrupt, vocab_size=dataset.vocab_size) if faults is not None else None
     return StepData(dataset, val_dataset, job.training, dims, dims.view("dp").get_local_rank(),
                     dims.view("cp").get_local_rank(), eos_id, corrupt,
-                    job.parallel.dp_replicate if ft.enabled else 1, ft.replica_group if ft.enabled else 0)
+                    job.parallel.dp_replicate if ft.enabled else 1,
+                    ft.replica_group if ft.enabled else 0)
 
 
 def describe_model(model: nn.Module, dims: ParallelDims, log) -> float:
-    """Prints the layout and rank 0's share of the model; returns the MiB of parameters this rank holds."""
+    """Prints the layout and rank 0's share of the model; returns the MiB of parameters this rank
+    holds."""
     held = [local_tensor(p) for p in model.parameters()]
     param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
     total = sum(p.numel() for p in model.parameters())

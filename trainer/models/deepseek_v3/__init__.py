@@ -8,6 +8,7 @@ from trainer.models.deepseek_v3.model import DeepseekV3, DeepseekV3Config, block
 from trainer.models.deepseek_v3.parallelize import tp_divides, tp_plan
 from trainer.models.spec import ModelSpec, register_family
 
-SPEC = register_family(ModelSpec(family="deepseek_v3", config=DeepseekV3Config, model=DeepseekV3, tp_plan=tp_plan,
-                                 costs=DeepseekV3Costs(), check=check, hf=HF, tp_divides=tp_divides,
-                                 block_kind=block_kind, checkpoint_regions=moe_block_regions))
+SPEC = register_family(ModelSpec(family="deepseek_v3", config=DeepseekV3Config, model=DeepseekV3,
+                                 tp_plan=tp_plan, costs=DeepseekV3Costs(), check=check, hf=HF,
+                                 tp_divides=tp_divides, block_kind=block_kind,
+                                 checkpoint_regions=moe_block_regions))

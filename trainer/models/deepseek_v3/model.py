@@ -1,7 +1,7 @@
 """DeepSeek-V3 (and Kimi K2, its shape at 1T parameters; DeepSeek-V2-Lite's): multi-head latent
-attention (MLA), the first `n_dense_layers` blocks with a SwiGLU feed-forward, the others with an MoE
-layer (sigmoid scores, expert groups, shared experts, the aux-loss-free bias, routed scaling: the MoE
-layer's keys). Plain PyTorch.
+attention (MLA), the first `n_dense_layers` blocks with a SwiGLU feed-forward, the others with an
+MoE layer (sigmoid scores, expert groups, shared experts, the aux-loss-free bias, routed scaling:
+the MoE layer's keys). Plain PyTorch.
 
 MLA: queries come from the input through a low-rank projection with its norm (`q_lora_rank`; null:
 one plain projection, as DeepSeek-V2-Lite's); keys and values from one compressed latent
@@ -39,17 +39,20 @@ LATENT_NORM_EPS = 1e-6
 
 @dataclass
 class DeepseekV3Config(MoEConfig, ModelConfig):
-    """DeepSeek-V3's keys: MLA's ranks and head widths, the dense blocks, and the MoE layer's (ffn_dim
-    is an expert's width, as in every MoE family; dense_ffn_dim the dense blocks' feed-forward)."""
+    """DeepSeek-V3's keys: MLA's ranks and head widths, the dense blocks, and the MoE layer's
+    (ffn_dim is an expert's width, as in every MoE family; dense_ffn_dim the dense blocks'
+    feed-forward)."""
 
     q_lora_rank: int | None = shape(1536)  # null: the queries through one plain projection
     kv_lora_rank: int = shape(512)
     qk_nope_head_dim: int = shape(128)
     qk_rope_head_dim: int = shape(64)
     v_head_dim: int = shape(128)
-    n_dense_layers: int = shape(3)  # the first blocks, with a SwiGLU feed-forward (first_k_dense_replace)
+    # the first blocks, with a SwiGLU feed-forward (first_k_dense_replace)
+    n_dense_layers: int = shape(3)
     dense_ffn_dim: int = shape(18432)
-    # The rotary pairs of the query and key weights are (2i, 2i + 1), as DeepSeek's checkpoints lay them out.
+    # The rotary pairs of the query and key weights are
+    # (2i, 2i + 1), as DeepSeek's checkpoints lay them out.
     rope_interleave: bool = shape(True)
 
     def moe_layers(self) -> list[int]:
@@ -74,7 +77,8 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__()
-        heads, self.nope, self.rope, self.v = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        heads, self.nope, self.rope, self.v = (cfg.n_heads, cfg.qk_nope_head_dim,
+                                               cfg.qk_rope_head_dim, cfg.v_head_dim)
         qk = self.nope + self.rope
         if cfg.q_lora_rank is None:
             self.wq = nn.Linear(cfg.dim, heads * qk, bias=False)
@@ -105,7 +109,8 @@ class LatentAttention(nn.Module):
         # Shapes from the projections, not x: under tensor parallel each rank holds its share of
         # the heads.
         batch, seq = q.shape[:2]
-        q_nope, q_rope = q.view(batch, seq, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        q = q.view(batch, seq, -1, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, self.nope + self.v)
         # The values a copy of their own: attention keeps them for backward, and a view would keep
@@ -116,7 +121,8 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin, self.interleaved)], dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        k = torch.cat([k_nope, self.rope_key(k_rope, cos, sin).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        k = torch.cat([k_nope, self.rope_key(k_rope, cos, sin).expand(-1, -1, k_nope.shape[2], -1)],
+                      dim=-1)
         out = self.sdpa(*(t.transpose(1, 2) for t in (q, k, v)), positions)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -141,8 +147,9 @@ def block_kind(cfg: DeepseekV3Config, layer: int) -> str:
 def check(cfg: DeepseekV3Config) -> None:
     check_moe(cfg)
     if cfg.n_kv_heads != cfg.n_heads:
-        raise ConfigError(f"model.n_kv_heads={cfg.n_kv_heads} must equal model.n_heads={cfg.n_heads}: in latent "
-                          f"attention every head has keys and values of its own")
+        raise ConfigError(f"model.n_kv_heads={cfg.n_kv_heads} must equal "
+                          f"model.n_heads={cfg.n_heads}: in latent attention every head has keys "
+                          "and values of its own")
     for key in ("kv_lora_rank", "q_lora_rank"):
         rank = getattr(cfg, key)
         if rank is not None and not 1 <= rank <= cfg.dim:
@@ -152,9 +159,10 @@ def check(cfg: DeepseekV3Config) -> None:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 1")
     if cfg.qk_rope_head_dim % 2:
-        raise ConfigError(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even: the rotary embedding turns "
-                          f"pairs of dimensions")
+        raise ConfigError(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even: the rotary "
+                          "embedding turns pairs of dimensions")
     if not 0 <= cfg.n_dense_layers < cfg.n_layers:
-        raise ConfigError(f"model.n_dense_layers={cfg.n_dense_layers} must be between 0 and model.n_layers - 1="
-                          f"{cfg.n_layers - 1} (at least one block with experts)")
+        raise ConfigError(f"model.n_dense_layers={cfg.n_dense_layers} must be between 0 and "
+                          f"model.n_layers - 1={cfg.n_layers - 1} (at least one block with "
+                          "experts)")
 

@@ -1,6 +1,7 @@
 """DeepSeek-V3's tensor-parallel plan: MLA's low-rank down projections and latent norms replicated,
 its up projections split on the heads (column-wise) and the output projection row-wise; the dense
-blocks' feed-forward and the MoE blocks' layer as the shared blocks' (trainer/models/tp_plans.py)."""
+blocks' feed-forward and the MoE blocks' layer as the shared blocks'
+(trainer/models/tp_plans.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ from trainer.models.tp_plans import (
 def tp_plan(cfg: DeepseekV3Config, sequence_parallel: bool, loss_parallel: bool) -> dict:
     between = between_blocks(sequence_parallel)
     attention = {
-        # The input gathered whole on every rank, as a plain tensor: the replicated projections take it so.
+        # The input gathered whole on every rank, as a plain
+        # tensor: the replicated projections take it so.
         "layers.*.attention": PrepareModuleInput(input_layouts=(between, None),
-                                                 desired_input_layouts=(Replicate(), None), use_local_output=True),
+                                                 desired_input_layouts=(Replicate(), None),
+                                                 use_local_output=True),
         **{f"layers.*.attention.{name}": ColwiseParallel() for name in ("wq", "wq_b", "wkv_b")},
-        **{f"layers.*.attention.{name}": ReplicateParameters() for name in ("wq_a", "q_norm", "wkv_a", "kv_norm")},
+        **{f"layers.*.attention.{name}": ReplicateParameters()
+           for name in ("wq_a", "q_norm", "wkv_a", "kv_norm")},
         "layers.*.attention.rope_key": SumGradients(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=between),
     }

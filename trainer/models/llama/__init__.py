@@ -7,5 +7,5 @@ from trainer.models.llama.model import Llama, check
 from trainer.models.llama.parallelize import tp_plan
 from trainer.models.spec import ModelSpec, register_family
 
-SPEC = register_family(ModelSpec(family="llama", config=ModelConfig, model=Llama, tp_plan=tp_plan, costs=COSTS,
-                                 check=check, hf=HF))
+SPEC = register_family(ModelSpec(family="llama", config=ModelConfig, model=Llama, tp_plan=tp_plan,
+                                 costs=COSTS, check=check, hf=HF))

@@ -11,7 +11,8 @@ from trainer.models.spec import HFMapping
 def names(cfg: ModelConfig) -> dict[str, str]:
     sources = edge_names(cfg)
     for i in range(cfg.n_layers):
-        sources |= attention_names(i) | swiglu_names(f"layers.{i}.feed_forward", f"model.layers.{i}.mlp")
+        sources |= attention_names(i) | swiglu_names(f"layers.{i}.feed_forward",
+                                                     f"model.layers.{i}.mlp")
     return sources
 
 
@@ -19,15 +20,17 @@ def config_fields(hf: dict) -> dict:
     """Nothing of Llama's own; heads of another width than hidden_size / heads are refused."""
     width = hf.get("head_dim")
     if width is not None and width * hf["num_attention_heads"] != hf["hidden_size"]:
-        raise ConfigError(f"config.json: head_dim={width} is not supported (hidden_size / num_attention_heads)")
+        raise ConfigError(f"config.json: head_dim={width} is not supported (hidden_size / "
+                          "num_attention_heads)")
     return {}
 
 
 def config(cfg: ModelConfig, common: dict):
     from transformers import LlamaConfig
 
-    return LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, mlp_bias=False, **common)
+    return LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, mlp_bias=False,
+                       **common)
 
 
-HF = HFMapping(model_type="llama", architecture="LlamaForCausalLM", config_fields=config_fields, config=config,
-               names=names)
+HF = HFMapping(model_type="llama", architecture="LlamaForCausalLM", config_fields=config_fields,
+               config=config, names=names)

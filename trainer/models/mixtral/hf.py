@@ -31,7 +31,8 @@ def config(cfg: MixtralConfig, common: dict):
 
 HF = HFMapping(
     model_type="mixtral", architecture="MixtralForCausalLM",
-    config_fields=lambda hf: {"n_experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
+    config_fields=lambda hf: {"n_experts": hf["num_local_experts"],
+                              "top_k": hf["num_experts_per_tok"],
                               "aux_loss_coef": hf.get("router_aux_loss_coef", 0.0)},
     config=config, names=names,
 )

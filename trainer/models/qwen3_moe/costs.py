@@ -1,4 +1,5 @@
-"""Qwen3-MoE's FLOPs and memory terms: the shared decoder's, with q/k norms and an MoE layer in every block."""
+"""Qwen3-MoE's FLOPs and memory terms: the shared decoder's, with q/k norms and an MoE layer in
+every block."""
 
 from trainer.models.costs import DecoderCosts
 

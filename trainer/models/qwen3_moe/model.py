@@ -1,6 +1,7 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k norms, heads of their own width)
-with a mixture of many small experts in every block (128 experts, top 8, the top-k weights
-renormalised). Its keys: model.head_dim and the MoE layer's (trainer.models.moe_config.MoEConfig)."""
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k norms, heads of their own
+width) with a mixture of many small experts in every block (128 experts, top 8, the top-k weights
+renormalised). Its keys: model.head_dim and the MoE layer's
+(trainer.models.moe_config.MoEConfig)."""
 
 from __future__ import annotations
 
