@@ -12,15 +12,11 @@ documents).
 
 Each case gets the fastest exact kernel its device has (`KERNELS`):
 
-| device | attention          | attention + mask            | block                  | block + mask
-|
-|--------|--------------------|-----------------------------|------------------------|-------------------|
-| cpu    | SDPA (CPU flash)   | CPU flash + mask            | CPU flash              | CPU flash +
-mask  |
-| cuda   | SDPA (flash/cuDNN) | FlexAttention, block-sparse | flash (bf16/fp16),     |
-memory-efficient  |
-|        |                    |                             | else memory-efficient  | + mask
-|
+| device | attention          | attention + mask | block                 | block + mask     |
+|--------|--------------------|------------------|-----------------------|------------------|
+| cpu    | SDPA (CPU flash)   | CPU flash + mask | CPU flash             | CPU flash + mask |
+| cuda   | SDPA (flash/cuDNN) | FlexAttention,   | flash (bf16/fp16),    | memory-efficient |
+|        |                    | block-sparse     | else memory-efficient | + mask           |
 
 "math" (float32 scores) is the reference and the kernel of any other device; the kernels are in
 `trainer.models.attention_kernels`. CPU has no FlexAttention backward (torch 2.13), so a CPU mask
