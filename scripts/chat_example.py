@@ -1,10 +1,10 @@
 """Writes a small chat dataset to fine-tune on without downloading anything: OUT/chat.jsonl,
-conversations of 1 to 3 turns whose answers are the user's digits reversed, and OUT/template.jinja,
-a chat template for them (the byte tokenizer has none of its own).
+conversations of 1 to 3 turns whose answers are the user's digits reversed, and
+OUT/template.jinja, a chat template for them (the byte tokenizer has none of its own).
 
     python scripts/chat_example.py data/chat [--conversations 2000] [--seed 0]
-    bash scripts/smoke_cpu.sh llama_sft 2 data.path=data/chat/chat.jsonl
-    data.chat_template=data/chat/template.jinja
+    bash scripts/smoke_cpu.sh llama_sft 2 data.path=data/chat/chat.jsonl \
+        data.chat_template=data/chat/template.jinja
 """
 
 import argparse

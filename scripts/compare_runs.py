@@ -1,14 +1,13 @@
 """Whether run B follows run A's curve: loss and gradient norm step by step, the largest relative
-differences, and a verdict against the tolerance the runs' precision allows (fp32 1e-4, with experts
-1e-3, bf16 5e-3 on the loss: what every layout holds against one process).
+differences, and a verdict against the tolerance the runs' precision allows (fp32 1e-4, with
+experts 1e-3, bf16 5e-3 on the loss: what every layout holds against one process).
 
     python scripts/compare_runs.py outputs/llama_fsdp outputs/llama_tp2_pp4
-    python scripts/compare_runs.py A B --steps 20          # the first 20 steps only
-    python scripts/compare_runs.py A B --rtol 1e-3         # a tolerance of your own (gradient norm:
-    10x)
+    python scripts/compare_runs.py A B --steps 20   # the first 20 steps only
+    python scripts/compare_runs.py A B --rtol 1e-3  # a tolerance of your own (gradient norm: 10x)
 
-Exit 0: within the tolerance; 1: not (the first step outside is named); 2: bad input. Two runs part
-slowly as their rounding differs, so compare the first steps of long runs.
+Exit 0: within the tolerance; 1: not (the first step outside is named); 2: bad input. Two runs
+part slowly as their rounding differs, so compare the first steps of long runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Converts between Hugging Face directories and this trainer's checkpoints.
 
-    python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME] [--write-config NAME]   # OUT:
-    checkpoint.initial python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH]
-    [--dtype bfloat16] \
-        [--max-shard-size 5GB]
+    # OUT: a checkpoint.initial
+    python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME] [--write-config NAME]
+    python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH] \
+        [--dtype bfloat16] [--max-shard-size 5GB]
 
 --write-config NAME also writes configs/model/NAME.yaml, the model HF_DIR holds, for `model=NAME`.
 CKPT is any checkpoint of ours (a training checkpoint in any layout, a seed or a converted one).

@@ -3,9 +3,8 @@ layer without host syncs, bf16 training runs with compile and selective checkpoi
 checkpoints saved and restored through the trainer.
 
     python scripts/gpu_check.py          # on a machine with one CUDA GPU: every check (minutes)
-    python scripts/gpu_check.py --table  # and then the side-by-side runs, as a table (about 10 more
-    minutes) python scripts/gpu_check.py --cpu    # what a CPU can run of them, at tiny sizes (CI
-    runs this)
+    python scripts/gpu_check.py --table  # then the side-by-side runs as a table (10 more minutes)
+    python scripts/gpu_check.py --cpu    # what a CPU can run of them, at tiny sizes (CI runs this)
 
 One line per check, PASS / FAIL / SKIP with its figures; exit status 1 if any failed. Multi-rank
 NCCL paths need several GPUs and are not checked here.

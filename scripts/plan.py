@@ -1,12 +1,13 @@
 """Per-rank memory and step time of a job at its real size, before launching it.
 
-    python scripts/plan.py +recipe=llama_4d                       # the recipe on its stated
-    hardware python scripts/plan.py +recipe=llama_fsdp --world 16 --device a100
-    training.activation_checkpoint=full python scripts/plan.py +recipe=llama_tp2_pp4 --json
+    python scripts/plan.py +recipe=llama_4d    # the recipe on its stated hardware
+    python scripts/plan.py +recipe=llama_fsdp --world 16 --device a100 \
+        training.activation_checkpoint=full
+    python scripts/plan.py +recipe=llama_tp2_pp4 --json
     python scripts/plan.py --search --gpus 64 --device h100 model=llama3_70b
     python scripts/plan.py --calibrate --name my-box --world 2 model=llama_debug +smoke=cpu
-    python scripts/plan.py --rank --world 4 model=llama_debug +smoke=cpu   # parallel=auto's pick,
-    measured
+    # parallel=auto's pick, measured against every layout the search considers
+    python scripts/plan.py --rank --world 4 model=llama_debug +smoke=cpu
 
 Overrides are train.py's. `--world` and `--device` default to the recipe's `plan.world_size` and
 `plan.device` (else 1 rank of an h100). One process plays every rank in a fake process group.

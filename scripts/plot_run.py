@@ -1,10 +1,9 @@
 """A run's curves as one PNG, or several runs' overlaid: loss (validation loss dashed), gradient
-norm, learning rate, tokens/s and rank 0's peak memory against step, each run named in the legend by
-its folder, its layout and the config values in which the runs differ.
+norm, learning rate, tokens/s and rank 0's peak memory against step, each run named in the legend
+by its folder, its layout and the config values in which the runs differ.
 
-    python scripts/plot_run.py outputs/llama_fsdp                  # writes
-    outputs/llama_fsdp/curves.png python scripts/plot_run.py outputs/a outputs/b --out both.png  #
-    two runs on the same axes
+    python scripts/plot_run.py outputs/llama_fsdp  # writes outputs/llama_fsdp/curves.png
+    python scripts/plot_run.py outputs/a outputs/b --out both.png  # two runs on the same axes
 
 Needs matplotlib: pip install -e ".[plot]". Exit 2 on bad input (a folder without metrics.jsonl).
 """

@@ -2,9 +2,9 @@
 when the vocabulary fits, else uint32) in OUT, described by OUT.json; train with
 `data.source=binary data.path=OUT`.
 
-    python scripts/prepare_data.py 'corpus/*.txt' data/corpus.bin [--tokenizer PATH|bytes]
-    [--workers 4] python scripts/prepare_data.py 'corpus/*.jsonl' data/corpus.bin --source json
-    --text-field text
+    python scripts/prepare_data.py 'corpus/*.txt' data/corpus.bin [--tokenizer PATH|bytes] \
+        [--workers 4]
+    python scripts/prepare_data.py 'corpus/*.jsonl' data/corpus.bin --source json --text-field text
 
 The documents (each text file, or each row of json/jsonl/parquet files) are cut into pieces that
 several processes tokenize at once, in order: the same stream as `data.source=text` (or json,

@@ -3,9 +3,9 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
 
     nan_grad@5        after step 5's backward, a gradient of the rank is NaN
     garbage_batch@12  step 12 trains on scrambled tokens (every rank unless one is named): a loss
-    spike hang@4:1          rank 1 sleeps at the start of step 4's forward, while the others wait
-    for it pause@10          rank 0 waits at the start of step 10's forward until the job is asked
-    to stop
+                      spike
+    hang@4:1          rank 1 sleeps at the start of step 4's forward, while the others wait for it
+    pause@10          rank 0 waits at the start of step 10's forward until the job is asked to stop
                       (a signal: a preemption, a node joining an elastic job; at most 10 minutes),
                       then trains the step, which the job saves
     kill@6:1          rank 1 is killed (SIGKILL) after step 6's backward, before the optimizer step
@@ -17,10 +17,10 @@ TRAINER_FAULTS to a comma-separated list of KIND@STEP or KIND@STEP:RANK (default
                       backward took (a slow filesystem)
 
 Each fault but the slowdowns fires once per job: a file under output_dir/faults records it, so that
-a job restarted by its launcher, or a step run again after a rollback, runs clean. `FaultInjection`
-is a step part (`start_step`, `before_forward`, `after_backward`) that also gives the data its
-`corrupt` and the checkpointer its `kill_save`; unset (the normal case), the loop holds no such part
-and nothing is injected.
+a job restarted by its launcher, or a step run again after a rollback, runs clean.
+`FaultInjection` is a step part (`start_step`, `before_forward`, `after_backward`) that also gives
+the data its `corrupt` and the checkpointer its `kill_save`; unset (the normal case), the loop holds
+no such part and nothing is injected.
 """
 
 from __future__ import annotations

@@ -57,10 +57,9 @@ class ModelSpec:
       them and the others are set to None (removed from the ModuleDict), so parameter names stay
       those of the whole model.
     - `tp_plan(cfg, sequence_parallel, loss_parallel)`: the tensor-parallel plan, module path
-    (fnmatch
-      patterns, as torch's parallelize_module takes them) -> ParallelStyle, for the whole model; the
-      paths a pipeline stage lacks are left out when it is applied. `tp_divides(cfg)`: the keys
-      whose values tensor parallel must divide.
+      (fnmatch patterns, as torch's parallelize_module takes them) -> ParallelStyle, for the whole
+      model; the paths a pipeline stage lacks are left out when it is applied. `tp_divides(cfg)`:
+      the keys whose values tensor parallel must divide.
     - `costs`: its FLOPs and memory terms for the plan and the metrics (trainer.models.costs.Costs).
     - `check(cfg)`: the family's config rules (ConfigError); `hf`: its Hugging Face mapping, None if
       it has none.
@@ -68,8 +67,7 @@ class ModelSpec:
       blocks are dense, the others MoE): the memory plan builds one of each kind; by default all
       alike.
     - `adamw_matrices`: the blocks' weight matrices that take AdamW under optim=muon (fnmatch
-    patterns
-      of parameter names; the others take Muon): the routers by default.
+      patterns of parameter names; the others take Muon): the routers by default.
     - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole
       block).
