@@ -65,7 +65,7 @@ class Trainer:
     def __post_init__(self):
         self.training = self.job.training
         self.first_step = self.step + 1  # the first step this run trains
-        # the same, once trained (a quorum may have moved the run)
+        # The first step trained, once one is (a quorum may move the run before it).
         self.first_trained: int | None = None
 
     def fit(self) -> None:
@@ -87,7 +87,7 @@ class Trainer:
         step counts; None when it does not, self.step then being where the run goes on from: the
         replica groups did not all finish it (it is trained again), a part moved the run (a loss
         spike's rollback), or the quorum brought a peer group's state from past the last step."""
-        # (a group behind the others takes their state, and step)
+        # The quorum: a group behind the others takes their state and step first.
         shares = self.replicas.start_step()
         step = self.step + 1
         if step > self.training.steps:
@@ -107,8 +107,7 @@ class Trainer:
         skip = self.guard.check(step, loss_sum / self.passes.loss_ranks, grad_norm)
         self.step_parts.before_optimizer_step(step, skip, self.passes.microbatches * len(rounds))
         lr = self.scheduler.get_last_lr()[0]
-        # The fused AdamW leaves weights, moments and its
-        # step count as they were when found_inf is 1.
+        # The fused AdamW leaves weights, moments and step count as they were when found_inf is 1.
         self.optimizer.found_inf = skip
         counted = self.replicas.commit(self.update)
         self.optimizer.zero_grad(set_to_none=True)
