@@ -135,9 +135,8 @@ SEPARATED = 1.3  # measured this much apart, the plan must order the pair as mea
 def test_a_plan_calibrated_here_ranks_layouts_as_measured_and_trains_in_its_choice(tmp_path):
     """On 2 ranks: calibration fits its four layouts' tokens/s; every other layout the search
     considers is then run, and the plan's first choice measures within 10% of the best; pairs
-    measured
-    1.3x apart are ordered alike. A job launched with parallel=auto, that profile and parallel.tp=2
-    trains in the plan's first choice with tp=2, and records it."""
+    measured 1.3x apart are ordered alike. A job launched with parallel=auto, that profile and
+    parallel.tp=2 trains in the plan's first choice with tp=2, and records it."""
     runs = itertools.count()
 
     def measure(overrides: dict) -> float:
