@@ -339,6 +339,21 @@ MISTAKES = {
                             r"^config error: training.lr=fast must be a number$"),
     "a word for a bool": (lambda p: ["training.compile=maybe"],
                           r"^config error: training.compile=maybe must be true or false$"),
+    # LoRA
+    "a peft key without peft.method": (lambda p: ["peft.rank=4"],
+                                       r"peft.rank=4 is set but peft.method is not"),
+    "an unknown peft method": (lambda p: ["peft.method=dora"],
+                               r"peft.method=dora is unknown; choose one of \['lora'\]"),
+    "a LoRA rank of 0": (lambda p: ["peft.method=lora", "peft.rank=0"],
+                         r"peft.rank=0 must be at least 1"),
+    "a LoRA rank above a layer's width": (lambda p: ["peft.method=lora", "peft.rank=999"],
+                                          r"peft.rank=999 is above the width of "
+                                          r"layers.0.attention.wq \(256 -> 256\)"),
+    "a target pattern matching no layer": (lambda p: ["peft.method=lora",
+                                                      "peft.target_modules=[q_proj]"],
+                                           r"peft.target_modules: q_proj matches no linear layer"),
+    "LoRA with Muon": (lambda p: ["peft.method=lora", "optim=muon"],
+                       r"peft.method=lora trains its adapters with optim.name=adamw"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }

@@ -24,6 +24,9 @@ from trainer.errors import ConfigError
 
 MANIFEST = "manifest.json"
 MODEL_CONFIG = "model.yaml"
+# In a LoRA run's checkpoint: the peft keys it trained with and its frozen base (`base`: the
+# checkpoint.initial it started from; null: the base the seed drew).
+ADAPTER_CONFIG = "adapter.yaml"
 
 
 class CheckpointError(ConfigError):

@@ -14,14 +14,15 @@ from trainer.checkpoint.hf import config_from_hf, hf_sources
 from trainer.checkpoint.safetensors_io import SafetensorsFile
 from trainer.errors import ConfigError
 from trainer.models import copy_full, tied_names
+from trainer.models.lora import is_adapter
 from trainer.tensors import local_tensor
 
 
 @torch.no_grad()
 def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
-    """Sets every parameter of the model parts (plain, or sharded as DTensors in any layout), and
-    every buffer the mapping names (an MoE layer's expert bias), from the Hugging Face directory
-    `path`, reading this rank's slices only."""
+    """Sets every parameter of the model parts (plain, or sharded as DTensors in any layout) but
+    LoRA's adapters, and every buffer the mapping names (an MoE layer's expert bias), from the
+    Hugging Face directory `path`, reading this rank's slices only."""
     cfg = config_from_hf(path)
     sources = hf_sources(cfg)
     sources |= {alias: sources[name] for alias, name in tied_names(cfg).items()}
@@ -39,7 +40,8 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
 
     for part in parts:
         buffers = [(name, buffer) for name, buffer in part.named_buffers() if name in sources]
-        for name, param in [*part.named_parameters(), *buffers]:
+        weights = [(n, p) for n, p in part.named_parameters() if not is_adapter(n)]
+        for name, param in [*weights, *buffers]:
             if name not in sources:
                 raise ConfigError(f"{path} holds no weight for {name}")
             box = _local_box(param)

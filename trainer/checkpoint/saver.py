@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainer.checkpoint.folders import (
+    ADAPTER_CONFIG,
     MODEL_CONFIG,
     CheckpointError,
     SaveFailed,
@@ -50,6 +51,11 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
         path = find_resume(folder, rank, world, log)
     if path is not None:
         check_same_shape(model_cfg, saved_config(path), f"checkpoint.resume={path}")
+        base = check_same_method(path, state.adapted)
+        if state.adapted and (cfg.initial or base):  # the adapters' frozen base, then the state
+            load_weights(list(state.model), newest_step(Path(cfg.initial or base),
+                                                        "checkpoint.initial", log),
+                         key="checkpoint.initial")
         started = time.perf_counter()
         step, position, saved_world = state.load(path)
         restarts = restart_count()
@@ -62,6 +68,21 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
                      key="checkpoint.initial")
         log(f"checkpoint: initial weights from {cfg.initial}")
     return 0, 0, None
+
+
+def check_same_method(path: Path, adapted: bool) -> str | None:
+    """A LoRA checkpoint resumes only as LoRA, a full one only as a full fine-tune; returns the
+    frozen base a LoRA checkpoint names."""
+    file = path / ADAPTER_CONFIG
+    if file.is_file() and not adapted:
+        raise CheckpointError(f"checkpoint.resume={path} holds LoRA adapters on a frozen base; "
+                              "resume it with peft.method=lora, or train the whole model from "
+                              "its merged weights (scripts/convert_hf.py --merge)")
+    if adapted and not file.is_file():
+        raise CheckpointError(f"checkpoint.resume={path} holds a full fine-tune; peft.method=lora "
+                              f"starts adapters on its weights with checkpoint.initial={path} "
+                              "and checkpoint.resume=none")
+    return OmegaConf.load(file).get("base") if adapted else None
 
 
 def roll_back(state: TrainState, folder: Path, checkpointer: Checkpointer, log) -> int | None:
@@ -87,8 +108,10 @@ class Checkpointer:
     removal of old checkpoints happen on a background thread, over a gloo group of their own."""
 
     def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool,
-                 model_config: dict, device: torch.device, tokenizer: str = "bytes"):
+                 model_config: dict, device: torch.device, tokenizer: str = "bytes",
+                 adapter: dict | None = None):
         self.folder, self.interval = folder, interval
+        self.adapter = adapter  # a LoRA run's peft keys and base (ADAPTER_CONFIG)
         self.keep_last, self.async_save = keep_last, async_save
         # (data.tokenizer: its files go in each save)
         self.model_config, self.tokenizer = model_config, tokenizer
@@ -142,6 +165,8 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
             copy_tokenizer(self.tokenizer, tmp)
+            if self.adapter is not None:
+                OmegaConf.save(OmegaConf.create(self.adapter), tmp / ADAPTER_CONFIG)
 
         on_rank_0(start_folder, tmp, self.rank, self.world)
         if self.async_save and not wait:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.checkpoint.folders import (
+    ADAPTER_CONFIG,
     MODEL_CONFIG,
     CheckpointError,
     SafeReader,
@@ -40,6 +41,7 @@ from trainer.config.schema import ModelConfig, shape_keys
 from trainer.errors import ConfigError
 from trainer.float8 import plain
 from trainer.models import model_config
+from trainer.models.lora import has_adapters, is_adapter
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -53,13 +55,18 @@ def _whole_name(key: str, at: int) -> str:
 
 class TrainState:
     """Views of the model parts' and optimizer's state under the whole model's names, sharing
-    storage with the live tensors, so DCP saves from them and loads into them in place."""
+    storage with the live tensors, so DCP saves from them and loads into them in place. A LoRA
+    model's state is its adapters: the frozen base is not saved (it is the initial weights)."""
 
     def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer | None = None):
         self.model, self.optimizer = nn.ModuleList(parts), optimizer
+        self.adapted = any(has_adapters(part) for part in parts)
 
-    def model_state(self) -> tuple[dict, dict]:
-        live = get_model_state_dict(self.model)
+    def model_state(self, frozen: bool | None = None) -> tuple[dict, dict]:
+        """The live state dict and its view under the whole model's names; with the frozen
+        parameters (by default, unless the model has adapters)."""
+        frozen = not self.adapted if frozen is None else frozen
+        live = get_model_state_dict(self.model, options=_model_options(frozen))
         return live, {_whole_name(k, 0): plain(v) for k, v in live.items()}
 
     def optimizer_state(self) -> tuple[dict, dict]:
@@ -93,7 +100,7 @@ class TrainState:
                                   "converted checkpoint); start from it with "
                                   f"checkpoint.initial={path}")
         _dcp_load({"model": model, "optimizer": optim, "trainer": trainer}, path)
-        set_model_state_dict(self.model, live_model)
+        set_model_state_dict(self.model, live_model, options=_model_options(not self.adapted))
         set_optimizer_state_dict(self.model, self.optimizer, live_optim, options=_FLAT)
         rank, world = rank_world()
         # Random state is per rank: it carries over only to the same number of ranks.
@@ -105,13 +112,24 @@ class TrainState:
 
     def load_weights(self, path: Path) -> None:
         """The weights of checkpoint `path`; a buffer it lacks (the MoE bias of aux-loss-free
-        balancing, switched on for a model converted without one) keeps its initial value."""
-        live, model = self.model_state()
+        balancing, switched on for a model converted without one) keeps its initial value, as do
+        LoRA adapters (the weights are their base)."""
+        if (path / ADAPTER_CONFIG).is_file():
+            raise CheckpointError(f"{path} holds LoRA adapters without their base: resume it with "
+                                  f"checkpoint.resume={path} and peft.method=lora, or merge them "
+                                  "into its base first (scripts/convert_hf.py --merge)")
+        live, model = self.model_state(frozen=True)
         saved = SafeReader(path).read_metadata().state_dict_metadata
-        buffers = {_whole_name(name, 0) for name, _ in self.model.named_buffers()}
-        model = {k: v for k, v in model.items() if f"model.{k}" in saved or k not in buffers}
+        kept = {_whole_name(name, 0) for name, _ in self.model.named_buffers()}
+        kept |= {k for k in model if is_adapter(k)}
+        model = {k: v for k, v in model.items() if f"model.{k}" in saved or k not in kept}
         _dcp_load({"model": model}, path)
         set_model_state_dict(self.model, live)
+
+
+def _model_options(frozen: bool) -> StateDictOptions:
+    """The model's whole state, or (a LoRA model's) its trained parameters only."""
+    return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
 
 
 def _rng_state() -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from trainer.checkpoint.folders import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
 from trainer.checks.layout import resolve_layout
+from trainer.checks.peft import check_peft
 from trainer.checks.ranges import check_ranges
 from trainer.config.schema import (
     CheckpointConfig,
@@ -61,6 +62,7 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     if ranges:
         check_ranges(job)
     check_model(job.model)
+    check_peft(job)
     if job.fault_tolerance.enabled:
         check_fault_tolerance(job.fault_tolerance, job.parallel, job.training, job.model)
         check_available(job.fault_tolerance)

@@ -313,6 +313,20 @@ class FaultToleranceConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning: the base weights frozen, small adapters trained (the keys
+    and names of Hugging Face peft's LoraConfig)."""
+
+    method: Optional[str] = None  # null: every weight trains | lora
+    rank: int = 8  # the adapters' rank (peft's r)
+    alpha: float = 16.0  # the adapters' product is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input, in training
+    # fnmatch patterns of the linear layers that take adapters (a name without a dot matches a
+    # layer's last part: wq); null: the family's (the attention and feed-forward projections)
+    target_modules: Optional[List[str]] = None
+
+
+@dataclass
 class JobConfig:
     device: str = "auto"
     run_name: str = "${recipe_name:}"
@@ -328,6 +342,7 @@ class JobConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     # Python modules every rank imports first: model
     # families defined outside trainer/ register there.
     imports: List[str] = field(default_factory=list)

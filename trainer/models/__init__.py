@@ -23,6 +23,7 @@ from trainer.config.files import load_model_file
 from trainer.config.keys import wanted
 from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
+from trainer.models.lora import adapter_std, is_adapter
 from trainer.models.spec import ModelSpec, families, family, register_family
 from trainer.tensors import local_tensor
 
@@ -122,7 +123,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """Fills every parameter from a generator seeded by (seed, parameter name).
 
     Each full tensor is drawn whole and each rank keeps its own shard of it, so the model is the
-    same whatever the sharding: the condition for parity between layouts. Buffers (the MoE layers'
+    same whatever the sharding: the condition for parity between layouts. LoRA's adapters start
+    as peft's do (trainer.models.lora.adapter_std). Buffers (the MoE layers'
     expert biases) start at zero.
     """
     for buffer in model.buffers():
@@ -130,7 +132,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         local = local_tensor(param)
         full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
-        std = model.init_std(name)
+        std = adapter_std(name, param.shape) if is_adapter(name) else model.init_std(name)
         if std is None:
             full.fill_(1.0)
         else:

@@ -68,6 +68,9 @@ class ModelSpec:
       alike.
     - `adamw_matrices`: the blocks' weight matrices that take AdamW under optim=muon (fnmatch
       patterns of parameter names; the others take Muon): the routers by default.
+    - `lora_targets`: the linear layers that take LoRA adapters when peft.target_modules is null
+      (fnmatch patterns of module names): the attention and feed-forward projections by default,
+      the shared experts' too (a router never does; grouped experts are not linear layers).
     - `checkpoint_regions(block)`: the parts of a block checkpointed each on its own under selective
       activation checkpointing when its experts are an FSDP unit of their own (None: the whole
       block).
@@ -87,6 +90,8 @@ class ModelSpec:
     checkpoint_regions: Callable[[nn.Module], list[nn.Module]] | None = None
     block_kind: Callable[[ModelConfig, int], object] = lambda cfg, index: None
     adamw_matrices: tuple[str, ...] = ("*.router.weight",)
+    lora_targets: tuple[str, ...] = ("*.attention.w*", "*.feed_forward.w*",
+                                     "*.feed_forward.shared.w*")
 
     def block_name(self, index: int | str) -> str:
         return f"{self.blocks}.{index}"

@@ -1,7 +1,12 @@
-"""The start-up lines that say how the job is laid out and how much of the model a rank holds."""
+"""The start-up lines that say how the job is laid out, how much of the model a rank holds and,
+under LoRA, what trains."""
 
 from __future__ import annotations
 
+from trainer.config.schema import ModelConfig
+from trainer.models import build_model, family
+from trainer.models.lora import LoraOptions, add_adapters
+from trainer.models.moe import GroupedExperts
 from trainer.parallel.dims import ParallelDims
 
 
@@ -17,3 +22,17 @@ def describe_share(dims: ParallelDims, total: int, held: int, held_mib: float) -
     scope = "rank 0's stages" if dims.pp_enabled else "the model"
     return (f"{scope}: {total / 1e6:.2f}M parameters, rank 0 holds {held / 1e6:.2f}M "
             f"({held_mib:.1f} MiB, 1/{total / held:.2f})")
+
+
+def describe_lora(model: ModelConfig, options: LoraOptions) -> str:
+    """What LoRA trains of the whole model: its layers, and the share of the parameters."""
+    whole = build_model(model, device="meta")
+    names = add_adapters(whole, options, family(model.family).blocks)
+    trained = sum(p.numel() for p in whole.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in whole.parameters())
+    kinds = ", ".join(dict.fromkeys(name.rpartition(".")[2] for name in names))
+    experts = any(isinstance(m, GroupedExperts) for m in whole.modules())
+    return (f"peft: LoRA rank {options.rank}, alpha {options.alpha:g} on {len(names)} linear "
+            f"layers ({kinds}): {trained / 1e6:.3f}M of {total / 1e6:.2f}M parameters train "
+            f"({100 * trained / total:.2f}%), the rest frozen"
+            + ("; the routed experts take no adapters" if experts else ""))

@@ -20,7 +20,8 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float, weight_deca
     (Muon: the block matrices) needs the model's family (`spec`) and, on several ranks,
     `group_of` (global ranks -> their process group: ParallelDims.group_spanning)."""
     chosen = optimizer_of(optim)
-    named = list(model.named_parameters())
+    # (a frozen parameter, LoRA's base, takes no state)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     apart = [p for name, p in named if spec is not None and chosen.apart is not None
              and chosen.apart(name, p, spec)]
     ids = set(map(id, apart))

@@ -12,6 +12,7 @@ from torch import nn
 
 from trainer.config.schema import ModelConfig
 from trainer.float8 import float8_tp_plan, gather_bytes_over_gloo
+from trainer.models.lora import freeze_base, has_adapters, lora_tp_plan
 from trainer.models.spec import ModelSpec
 from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from trainer.parallel.context_parallel import apply_cp
@@ -46,6 +47,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     embedding = spec.part(model, spec.embedding)
     if dims.tp_enabled:
         plan = spec.tp_plan(config, options.sequence_parallel, options.loss_parallel)
+        if has_adapters(model):
+            plan = lora_tp_plan(model, plan)
         apply_tp(model, dims.view("tp"), float8_tp_plan(model, plan) if options.float8_tp else plan)
     if dims.cp_enabled:
         apply_cp(model, dims.view("cp"), options.cp_method)
@@ -64,6 +67,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     if options.compile:
         for block in blocks.values():
             block.compile()
+    if has_adapters(model):  # (the styles above may have made new parameters of frozen ones)
+        freeze_base(model)
     # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.
     apply_fsdp(model, list(blocks.values()), embedding, spec.head_modules(model), dims.fsdp_mesh,
                options.param_dtype, options.reduce_dtype, pipelined=dims.pp_enabled,

@@ -19,6 +19,7 @@ from trainer.float8 import float8_of, gathers_in_float8
 from trainer.models import build_model, family, init_weights, materialize
 from trainer.models.attention import attend_within_documents
 from trainer.models.head import set_loss_chunk
+from trainer.models.lora import LoraOptions, add_adapters
 from trainer.models.moe import set_aux_loss_scale
 from trainer.parallel import ParallelOptions, parallelize
 from trainer.parallel.dims import ParallelDims
@@ -39,6 +40,7 @@ class BuildOptions:
     # tokens per chunk of the output head and its loss (LMHead)
     loss_chunk_tokens: int | None = 2048
     float8: Float8Config | None = None  # the linear layers in float8 (None: not)
+    lora: LoraOptions | None = None  # LoRA adapters on a frozen base (None: every weight trains)
 
 
 def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str) -> BuildOptions:
@@ -65,7 +67,17 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
     return BuildOptions(model=job.model, parallel=parallel, stage_modules=stage_modules(job, dims),
                         pp_schedule=p.pp_schedule, document_mask=attends_within_documents(job.data),
                         seed=t.seed, aux_loss_scale=aux_loss_scale,
-                        loss_chunk_tokens=t.loss_chunk_tokens, float8=float8)
+                        loss_chunk_tokens=t.loss_chunk_tokens, float8=float8,
+                        lora=lora_options(job))
+
+
+def lora_options(job: JobConfig) -> LoraOptions | None:
+    """peft.* as the model build takes it (None: no adapters)."""
+    peft = job.peft
+    if peft.method != "lora":
+        return None
+    patterns = peft.target_modules or family(job.model.family).lora_targets
+    return LoraOptions(peft.rank, peft.alpha, peft.dropout, tuple(patterns))
 
 
 def attends_within_documents(data) -> bool:
@@ -97,6 +109,8 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str],
     keep_modules(part, spec.pipeline_units(options.model.n_layers), modules)
     if options.float8 is not None:
         convert_float8(part, options.float8)
+    if options.lora is not None:
+        add_adapters(part, options.lora, spec.blocks)
     parallelize(part, spec, dims, options.parallel, options.model)
     if torch.device(device).type != "meta":
         materialize(part, device)

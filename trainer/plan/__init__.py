@@ -192,8 +192,8 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
     return step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,
-        grad_bytes=sum(u.gathered for u in units) * FP32,
-        sharded_grad_bytes=sum(u.sharded for u in units) * FP32,
+        grad_bytes=sum(u.trained_gathered for u in units) * FP32,
+        sharded_grad_bytes=sum(u.trained for u in units) * FP32,
         act_stream_bytes=stream, kv_bytes=costs.context_bytes(shapes),
         expert_bytes=costs.expert_bytes(shapes),
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),

@@ -46,6 +46,10 @@ class Unit:
     apart_flops: float = 0.0
     # elements of those this rank sends to the matrices' owners (and receives back)
     apart_moved: float = 0.0
+    # The elements that take gradients and optimizer state, held and gathered: all of them but a
+    # frozen base's (LoRA's).
+    trained: int = 0
+    trained_gathered: int = 0
 
 
 @dataclass
@@ -88,7 +92,8 @@ def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
     replica = dataclasses.replace(dims, dp_replicate=1, dp_shard=fsdp, cp=1,
                                   world_size=dims.world_size // dims.dp_replicate)
     # What a rank holds depends on the model and the layout, not on batch or microbatches.
-    key = repr((job.model, job.optim, parallel, replica.shape, replica.ep, job.data.document_mask))
+    key = repr((job.model, job.optim, job.peft, parallel, replica.shape, replica.ep,
+                job.data.document_mask))
     if key not in _CACHE:
         if len(_CACHE) > 1024:
             _CACHE.clear()
@@ -175,6 +180,9 @@ def _unit(name: str, params, apart=lambda p: False, flops=lambda rows, cols: 0.0
         local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
         unit.sharded += local
         unit.gathered += local * _fsdp_factor(p)
+        if p.requires_grad:
+            unit.trained += local
+            unit.trained_gathered += local * _fsdp_factor(p)
         if apart(p):
             rows, cols = p.shape[-2:]
             unit.apart += local

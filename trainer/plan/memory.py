@@ -145,10 +145,11 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     element, and whether it updates the matrices it treats apart whole)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     params = sharded * FP32
-    grads = sharded * FP32
+    trained = sum(u.trained for stage in stages for u in stage.units)  # (LoRA: the adapters)
+    grads = trained * FP32
     apart = (sum(u.apart for stage in stages for u in stage.units) if optimizer.apart is not None
              else 0)
-    words = optimizer.state_words * (sharded - apart) + optimizer.apart_state_words * apart
+    words = optimizer.state_words * (trained - apart) + optimizer.apart_state_words * apart
     states = words * FP32
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     edges = ("embedding", "head", "root")
@@ -190,7 +191,7 @@ def backward_buffers(units: list, stages: list[StageHoldings], blocks: list[int]
                      schedule: str | None, in_flight: int) -> float:
     """What backward holds beside the saved activations: a unit's gradients, float8 weight copies,
     a pipeline's stage inputs and their gradients."""
-    largest_unit = max((u.gathered for u in units), default=0)
+    largest_unit = max((u.trained_gathered for u in units), default=0)
     # Backward: a unit's unsharded gradients and the reduce-scatter's copy of them. Without
     # checkpointing they appear as the block's backward frees what it saved, so only what exceeds a
     # block's activations adds to the peak; with it, they are still held while the next block's

@@ -22,7 +22,7 @@ from trainer.float8 import Float8Scales, float8_of, gathers_in_float8
 from trainer.float8 import describe as describe_float8
 from trainer.models import family
 from trainer.models.moe_config import n_experts
-from trainer.observe.describe import describe_layout, describe_share
+from trainer.observe.describe import describe_layout, describe_lora, describe_share
 from trainer.observe.health import RankHealth
 from trainer.observe.measured_memory import MemoryFigures
 from trainer.observe.memory_snapshot import MemorySnapshot, known_tensors
@@ -52,14 +52,13 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
         output_dir.mkdir(parents=True, exist_ok=True)
     log = partial(print, flush=True) if rank == 0 else lambda *_: None
 
-    model_parts, stages = build_model_parts(build_options(job, dims, device), dims, device)
+    options = build_options(job, dims, device)
+    model_parts, stages = build_model_parts(options, dims, device)
     model = nn.ModuleList(model_parts)
     param_mib = describe_model(model, dims, log)
     if predicted is not None:
         log(f"plan: predicted peak {predicted / 2**30:.2f} GiB of tensors on rank 0")
-    f8 = float8_of(t)
-    if f8 is not None:
-        log(describe_float8(model_parts, f8))
+    describe_features(job, options, model_parts, log if rank == 0 else None)
     passes = make_passes(job, dims, device, model_parts, stages, watchdog.phase)
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay, family(job.model.family),
                                 dims.group_spanning, device)
@@ -78,8 +77,10 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     if rank == 0 and step < t.steps:  # a finished run's config stays as it trained
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
 
+    # (a LoRA run's checkpoints name their frozen base)
+    adapter = {**config["peft"], "base": checkpoint.initial} if job.peft.method else None
     checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config["model"], device,
-                                      job.data.tokenizer, faults)
+                                      job.data.tokenizer, faults, adapter)
     # only rank 0 logs mfu
     peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None
     trainer = Trainer(
@@ -136,13 +137,14 @@ def resume_at_first_quorum(trainer: Trainer, checkpoint: CheckpointConfig, recei
 
 def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, model_config: dict,
                        device: torch.device, tokenizer: str,
-                       faults: FaultInjection | None) -> Checkpointer | None:
+                       faults: FaultInjection | None,
+                       adapter: dict | None = None) -> Checkpointer | None:
     """The checkpointer (None with checkpoint.enabled=false); a `kill_save` fault fires before it
     publishes."""
     if not checkpoint.enabled:
         return None
     checkpointer = Checkpointer(checkpoint_dir, checkpoint.interval, checkpoint.keep_last,
-                                checkpoint.async_save, model_config, device, tokenizer)
+                                checkpoint.async_save, model_config, device, tokenizer, adapter)
     if faults is not None:
         checkpointer.before_publish = partial(faults.hang_or_kill, "kill_save")
     return checkpointer
@@ -195,6 +197,17 @@ def build_data(job: JobConfig, dims: ParallelDims, dataset, val_dataset,
                     dims.view("cp").get_local_rank(), eos_id, corrupt,
                     job.parallel.dp_replicate if ft.enabled else 1,
                     ft.replica_group if ft.enabled else 0)
+
+
+def describe_features(job: JobConfig, options, model_parts: list, log) -> None:
+    """The start-up lines of LoRA and float8 (rank 0: `log` given)."""
+    if log is None:
+        return
+    if options.lora is not None:
+        log(describe_lora(job.model, options.lora))
+    f8 = float8_of(job.training)
+    if f8 is not None:
+        log(describe_float8(model_parts, f8))
 
 
 def describe_model(model: nn.Module, dims: ParallelDims, log) -> float:
