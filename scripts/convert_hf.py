@@ -3,7 +3,7 @@
     # OUT: a checkpoint.initial
     python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME] [--write-config NAME]
     python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH] \
-        [--dtype bfloat16] [--max-shard-size 5GB]
+        [--dtype bfloat16] [--max-shard-size 5GB] [--merge] [--base PATH]
 
 --write-config NAME also writes configs/model/NAME.yaml, the model HF_DIR holds, for `model=NAME`.
 CKPT is any checkpoint of ours (a training checkpoint in any layout, a seed or a converted one).
@@ -15,6 +15,11 @@ from-hf keeps HF_DIR's tokenizer files with the weights, and to-hf writes the on
 with (kept in the checkpoint, else the run's data.tokenizer, else --tokenizer) for AutoTokenizer,
 with its bos/eos/pad ids in config.json and generation_config.json. Local directories only;
 nothing is downloaded.
+
+to-hf of a LoRA checkpoint (peft.method=lora: its adapters alone) writes peft's adapter directory
+(adapter_config.json, adapter_model.safetensors), which PeftModel.from_pretrained loads on the base
+model; --merge writes the base (--base, default the checkpoint.initial it trained from) with the
+adapters folded in, a whole model.
 """
 
 from __future__ import annotations
@@ -27,9 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from trainer.checkpoint.folders import MANIFEST, MODEL_CONFIG, newest_step  # noqa: E402
+from trainer.checkpoint.folders import (  # noqa: E402
+    ADAPTER_CONFIG,
+    MANIFEST,
+    MODEL_CONFIG,
+    newest_step,
+)
 from trainer.checkpoint.hf import read_hf  # noqa: E402
 from trainer.checkpoint.hf_export import export_hf  # noqa: E402
+from trainer.checkpoint.peft_io import export_merged, export_peft  # noqa: E402
 from trainer.checkpoint.state import check_same_shape, save_weights, saved_config  # noqa: E402
 from trainer.checkpoint.tokenizer_files import (  # noqa: E402
     export_tokenizer,
@@ -63,7 +74,7 @@ def from_hf(hf_dir: Path, out: Path, model: str | None, write_config: str | None
 
 
 def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str,
-          tokenizer: str | None = None) -> None:
+          tokenizer: str | None = None, merge: bool = False, base: str | None = None) -> None:
     checkpoint = newest_step(checkpoint, "to-hf", print)
     if not checkpoint.is_dir():
         raise ConfigError(f"{checkpoint} is not a folder")
@@ -77,9 +88,22 @@ def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_
     tokenizer = tokenizer or held_tokenizer(checkpoint) or run_tokenizer(checkpoint)
     if tokenizer is not None and tokenizer != "bytes":
         check_vocabulary(tokenizer, cfg.vocab_size)
-    shards = export_hf(checkpoint, cfg, out, getattr(torch, dtype), shard_bytes(max_shard_size))
+    if (checkpoint / ADAPTER_CONFIG).is_file() and not merge:
+        layers = export_peft(checkpoint, cfg, out, base=base)
+        print(f"wrote the LoRA adapters of {layers} layers to {out} (peft's adapter directory: "
+              "PeftModel.from_pretrained(model, OUT)); --merge writes them folded into the base")
+        return
+    if (checkpoint / ADAPTER_CONFIG).is_file():
+        shards = export_merged(checkpoint, cfg, out, base, getattr(torch, dtype),
+                               shard_bytes(max_shard_size))
+    elif merge:
+        raise ConfigError(f"--merge: {checkpoint} holds no LoRA adapters (a full model's "
+                          "checkpoint converts without --merge)")
+    else:
+        shards = export_hf(checkpoint, cfg, out, getattr(torch, dtype),
+                           shard_bytes(max_shard_size))
     print(f"wrote {cfg.family} model {cfg.name} to {out} in {dtype}, {shards} "
-          f"shard{'s' if shards > 1 else ''}")
+          f"shard{'s' if shards > 1 else ''}" + (", the adapters merged" if merge else ""))
     if tokenizer is None:
         write_special_ids(out, {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
         print(f"no tokenizer: {checkpoint} holds none and names no run's data.tokenizer; "
@@ -172,6 +196,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--write-config", metavar="NAME",
                         help="from-hf: also write configs/model/NAME.yaml, the model the directory "
                              "holds")
+    parser.add_argument("--merge", action="store_true",
+                        help="to-hf of a LoRA checkpoint: the base with the adapters folded in "
+                             "(default: peft's adapter directory)")
+    parser.add_argument("--base",
+                        help="to-hf of a LoRA checkpoint: its base (default: the "
+                             "checkpoint.initial it trained from)")
     parser.add_argument("--tokenizer",
                         help="to-hf: the tokenizer to write, when the checkpoint holds none "
                              "(a tokenizer.json, or a folder holding one)")
@@ -181,7 +211,7 @@ def main(argv: list[str]) -> None:
             from_hf(args.source, args.out, args.model, args.write_config)
         else:
             to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size,
-                  args.tokenizer)
+                  args.tokenizer, args.merge, args.base)
     except ConfigError as e:
         sys.stderr.write(f"config error: {e}\n")
         sys.exit(2)

@@ -1,14 +1,18 @@
 """LoRA: adapters on a frozen base, exact in every layout, saved alone and resumed in another
 layout; the plan counts their gradients and optimizer state only."""
 
+import json
+
 import pytest
 import torch
 from helpers import launch, read_metrics, spawn, train_metrics
 from test_parity import CHUNKED, COMMON, PLAIN, check_against, max_relative_difference
 from torch.distributed.tensor import Replicate, Shard
 
-from trainer import build_model
+from trainer import build_model, load_weights
 from trainer.checkpoint import SafeReader
+from trainer.checkpoint.hf import config_from_hf
+from trainer.checkpoint.peft_io import read_adapters
 from trainer.checks.job import check_job
 from trainer.checks.overrides import compose_job
 from trainer.models import family, init_weights, materialize
@@ -194,3 +198,45 @@ def test_lora_tp2_matches_saves_adapters_alone_and_resumes_in_another_layout(ref
     assert full.returncode != 0
     assert f"config error: checkpoint.resume={saved} holds LoRA adapters" in full.stderr
     assert not (tmp_path / "full" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "full")
+
+
+@pytest.mark.multiprocess
+def test_lora_exports_as_a_peft_adapter_with_the_trainers_logits_and_merged(tmp_path):
+    """A LoRA run from a transformers Llama's directory: peft loads the exported adapter on that
+    model and gives the trainer's logits; the merged export gives them without peft."""
+    peft = pytest.importorskip("peft")
+    from test_hf import convert, hf_model, tokens
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_model("llama", tmp_path / "hf")
+    shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96,
+                 rope_theta=5000.0)
+    records = train_metrics(1, "+recipe=llama_fsdp", "+smoke=cpu", "model=llama_debug",
+                            *(f"model.{k}={v}" for k, v in shape.items()), "training.steps=2",
+                            "training.seq_len=32", "training.lr=1e-2", "training.warmup_steps=1",
+                            f"checkpoint.initial={tmp_path / 'hf'}", "checkpoint.enabled=true",
+                            *LORA, "peft.target_modules=[wq,wv,w2]",
+                            output_dir=tmp_path / "run")
+    assert len(records) == 2
+    saved = tmp_path / "run" / "checkpoints" / "step_2"
+    ours = build_model(config_from_hf(tmp_path / "hf"), device="meta")
+    add_adapters(ours, LoraOptions(8, 16.0, 0.0, ("wq", "wv", "w2")))
+    materialize(ours, "cpu")
+    load_weights(ours, tmp_path / "hf")
+    with torch.no_grad():
+        for name, tensor in read_adapters(saved)[1].items():
+            ours.get_parameter(name).copy_(tensor)
+        expected = ours(tokens())
+        assert not torch.allclose(expected, hf(tokens()).logits, atol=1e-3)  # the adapters trained
+
+    convert("to-hf", str(saved), str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
+        8, 16.0, str(tmp_path / "hf"))
+    tuned = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"),
+                                           tmp_path / "adapter").eval()
+    convert("to-hf", str(saved), str(tmp_path / "merged"), "--merge", "--dtype", "float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(tokens()).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(tokens()).logits, expected, rtol=1e-5, atol=1e-5)

@@ -22,7 +22,7 @@ from trainer.config.schema import ModelConfig
 INDEX = "model.safetensors.index.json"
 
 
-class _Reader(SafeReader):
+class CachingReader(SafeReader):
     """Reads the checkpoint's metadata once for the many loads of an export (it lists every shard
     of every tensor: megabytes for a large model saved by many ranks)."""
 
@@ -37,17 +37,28 @@ def export_hf(checkpoint: Path, cfg: ModelConfig, out: Path, dtype: torch.dtype 
     """Writes checkpoint `checkpoint` of model `cfg` as a Hugging Face directory `out` (new or
     empty) in `dtype`, in shards of at most `max_shard_bytes` (a larger tensor gets a shard of its
     own). Returns the number of shards."""
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
     if (problem := verify(checkpoint)) is not None:
         raise CheckpointError(f"{checkpoint} is not a usable checkpoint: {problem}")
-    reader = _Reader(checkpoint)
+    reader = CachingReader(checkpoint)
     saved = reader.read_metadata().state_dict_metadata
-    entries = []
-    for hf_name, ours, expert in hf_tensors(cfg):
+    for _, ours, _ in hf_tensors(cfg):
         if f"model.{ours}" not in saved:
             raise CheckpointError(f"{checkpoint} has no weight {ours}: not a {cfg.name} checkpoint")
-        shape = list(saved[f"model.{ours}"].size)
+    return write_hf(lambda ours: list(saved[f"model.{ours}"].size),
+                    lambda ours: read_saved(reader, ours, saved[f"model.{ours}"]),
+                    cfg, out, dtype, max_shard_bytes)
+
+
+def write_hf(shape_of, tensor_of, cfg: ModelConfig, out: Path, dtype: torch.dtype,
+             max_shard_bytes: int) -> int:
+    """Writes the weights of model `cfg` as a Hugging Face directory `out` (new or empty), each of
+    our weights fetched whole by `tensor_of(name)` when its turn comes (`shape_of(name)`: its
+    shape, known before); returns the number of shards."""
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
+    entries = []
+    for hf_name, ours, expert in hf_tensors(cfg):
+        shape = shape_of(ours)
         entries.append((hf_name, ours, expert, shape if expert is None else shape[1:]))
     shards = _plan_shards(entries, dtype.itemsize, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +72,7 @@ def export_hf(checkpoint: Path, cfg: ModelConfig, out: Path, dtype: torch.dtype 
             for hf_name, ours, expert, _ in shard:
                 if ours != held_name:  # an expert stack stays for its experts' turns
                     held = None
-                    held_name, held = ours, _read(reader, ours, saved[f"model.{ours}"])
+                    held_name, held = ours, tensor_of(ours)
                 tensor = held if expert is None else held[expert]
                 f.write(tensor.to(dtype).contiguous().view(-1).view(torch.uint8).numpy())
                 weight_map[hf_name] = file
@@ -72,7 +83,7 @@ def export_hf(checkpoint: Path, cfg: ModelConfig, out: Path, dtype: torch.dtype 
     return len(shards)
 
 
-def _read(reader: SafeReader, name: str, meta) -> torch.Tensor:
+def read_saved(reader: SafeReader, name: str, meta) -> torch.Tensor:
     """One whole weight of ours from the checkpoint, in its saved dtype."""
     tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
     with quiet_single_process():

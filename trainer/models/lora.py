@@ -100,11 +100,22 @@ def add_adapters(model: nn.Module, options: LoraOptions, blocks: str = "layers")
     return names
 
 
-def freeze_base(model: nn.Module) -> None:
+def freeze_base(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Every parameter but the adapters' takes no gradient (tensor parallel's styles may have made
-    new parameters of them)."""
-    for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter(name))
+    new parameters of them); given `dtype` (the compute dtype), the frozen ones are held in it: a
+    weight never updated needs no fp32 master copy (a tied one stays tied)."""
+    held: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if attr in ADAPTERS:
+                param.requires_grad_(True)
+                continue
+            if dtype is None or param.dtype == dtype or not param.is_floating_point():
+                param.requires_grad_(False)
+                continue
+            if id(param) not in held:
+                held[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module.register_parameter(attr, held[id(param)])
 
 
 def has_adapters(model: nn.Module) -> bool:

@@ -13,9 +13,12 @@ from trainer.models import family
 from trainer.observe.summary import duration
 
 
-def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token of the model config `model` (its family's count)."""
-    return family(model.family).costs.flops(model, seq_len).total
+def flops_per_token(model, seq_len: int, frozen_base: bool = False) -> float:
+    """Training FLOPs per token of the model config `model` (its family's count). With a frozen base
+    (LoRA) no weight's gradient is computed: its matmuls are 4 FLOPs a weight and token, not 6 (the
+    adapters' own, a rank's worth, left out)."""
+    counted = family(model.family).costs.flops(model, seq_len)
+    return counted.total - ((counted.blocks + counted.head) / 3 if frozen_base else 0.0)
 
 
 def peak_tflops(device: torch.device, setting) -> float | None:

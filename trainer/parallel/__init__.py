@@ -68,7 +68,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
         for block in blocks.values():
             block.compile()
     if has_adapters(model):  # (the styles above may have made new parameters of frozen ones)
-        freeze_base(model)
+        freeze_base(model, options.param_dtype)
     # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.
     apply_fsdp(model, list(blocks.values()), embedding, spec.head_modules(model), dims.fsdp_mesh,
                options.param_dtype, options.reduce_dtype, pipelined=dims.pp_enabled,

@@ -153,7 +153,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
     timing = plan_step_time(job, dims, device, dtype, shapes, share, busiest)
-    flops = flops_per_token(m, t.seq_len)
+    flops = flops_per_token(m, t.seq_len, frozen_base=job.peft.method is not None)
     return Plan(dims.world_size, device, dims, ranks, timing, t.global_batch_size * t.seq_len,
                 flops, device.peak_tflops(dtype))
 
@@ -168,6 +168,8 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
     costs = family(m.family).costs
     counted = costs.flops(m, t.seq_len)
     flops = counted.total
+    if job.peft.method is not None:  # (no frozen weight's gradient: see flops_per_token)
+        flops -= (counted.blocks + counted.head) / 3
     tokens_per_step = t.global_batch_size * t.seq_len
     # Full checkpointing runs a block's forward again (4/3 of the work: forward 1, backward 2); a
     # zero-bubble schedule's split backward runs it twice more (5/3, see memory.py). Selective

@@ -144,8 +144,9 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     float8 linear layers (the experts' grouped GEMMs are not); `optimizer`: the job's (its state per
     element, and whether it updates the matrices it treats apart whole)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
-    params = sharded * FP32
     trained = sum(u.trained for stage in stages for u in stage.units)  # (LoRA: the adapters)
+    # fp32 masters of what trains; a frozen base (LoRA's) held in the compute dtype
+    params = trained * FP32 + (sharded - trained) * param_bytes
     grads = trained * FP32
     apart = (sum(u.apart for stage in stages for u in stage.units) if optimizer.apart is not None
              else 0)

@@ -138,7 +138,8 @@ def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
     counts, usable = parameter_counts(job), device.memory_gib * GIB * (1 - MARGIN)
-    per_param = state_bytes_bound(job.optim)
+    # (LoRA: the frozen base alone, in the compute dtype, at least 2 bytes)
+    per_param = 2.0 if job.peft.method is not None else state_bytes_bound(job.optim)
     for layout in candidates(job, gpus, device):
         if states_bound(counts, layout, per_param) > usable:
             rejected["parameter states over the memory"] += 1

@@ -91,8 +91,8 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
         logger=MetricsLogger(str(output_dir), rank == 0, job.metrics.wandb, config,
                              None if deferred else step, job.metrics.tensorboard.enabled),
         throughput=Throughput(t.global_batch_size * t.seq_len,
-                              flops_per_token(job.model, t.seq_len), peak, dims.world_size, step,
-                              t.steps),
+                              flops_per_token(job.model, t.seq_len, job.peft.method is not None),
+                              peak, dims.world_size, step, t.steps),
         guard=StepGuard(t, device), stop=stop, param_mib=param_mib, predicted=predicted,
     )
     attach(trainer, optimizer, watchdog, faults, deferred)

@@ -1,0 +1,97 @@
+"""A LoRA checkpoint out: as a PEFT adapter directory (`adapter_config.json` and
+`adapter_model.safetensors` under peft's tensor names) that `peft.PeftModel.from_pretrained` loads
+on the transformers model, or folded into its base as a whole Hugging Face model (merged).
+
+The adapters are small (the checkpoint's own tensors, read whole); a merge holds the base's
+weights in host memory, one model in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from trainer.checkpoint.folders import ADAPTER_CONFIG, CheckpointError, verify
+from trainer.checkpoint.hf import hf_sources
+from trainer.checkpoint.hf_export import CachingReader, read_saved, write_hf
+from trainer.checkpoint.state import load_weights
+from trainer.config.schema import ModelConfig
+from trainer.models import build_model, materialize
+from trainer.models.lora import is_adapter
+
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def read_adapters(checkpoint: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The peft keys a LoRA checkpoint trained with (and its base) and its adapters, whole, under
+    our names."""
+    if not (checkpoint / ADAPTER_CONFIG).is_file():
+        raise CheckpointError(f"{checkpoint} holds no LoRA adapters (no {ADAPTER_CONFIG})")
+    if (problem := verify(checkpoint)) is not None:
+        raise CheckpointError(f"{checkpoint} is not a usable checkpoint: {problem}")
+    reader = CachingReader(checkpoint)
+    saved = reader.read_metadata().state_dict_metadata
+    adapters = {key.removeprefix("model."): read_saved(reader, key.removeprefix("model."), meta)
+                for key, meta in saved.items()
+                if key.startswith("model.") and is_adapter(key)}
+    return OmegaConf.to_container(OmegaConf.load(checkpoint / ADAPTER_CONFIG)), adapters
+
+
+def peft_name(cfg: ModelConfig, ours: str, sources: dict | None = None) -> str:
+    """peft's name of one of our adapters: layers.0.attention.wq.lora_A ->
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    sources = sources or hf_sources(cfg)
+    layer, _, which = ours.rpartition(".")
+    return f"base_model.model.{sources[layer + '.weight'].removesuffix('.weight')}.{which}.weight"
+
+
+def export_peft(checkpoint: Path, cfg: ModelConfig, out: Path,
+                dtype: torch.dtype = torch.float32, base: str | None = None) -> int:
+    """Writes a LoRA checkpoint's adapters as a PEFT adapter directory `out`; returns how many
+    layers take adapters."""
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
+    peft, adapters = read_adapters(checkpoint)
+    sources = hf_sources(cfg)
+    tensors = {peft_name(cfg, ours, sources): t.to(dtype).contiguous()
+               for ours, t in adapters.items()}
+    layers = sorted({name.removesuffix(".lora_A.weight").removesuffix(".lora_B.weight")
+                     for name in tensors})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft["rank"],
+        "lora_alpha": peft["alpha"], "lora_dropout": peft["dropout"], "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+        # every layer by its whole name (without peft's base_model.model. prefix)
+        "target_modules": [name.removeprefix("base_model.model.") for name in layers],
+        "base_model_name_or_path": base or peft.get("base"),
+    }
+    out.mkdir(parents=True)
+    save_file(tensors, out / PEFT_WEIGHTS, metadata={"format": "pt"})
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return len(layers)
+
+
+def export_merged(checkpoint: Path, cfg: ModelConfig, out: Path, base: str | None,
+                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 10**9) -> int:
+    """Writes the LoRA checkpoint's base with its adapters folded in (W + alpha / rank * B A, in
+    fp32) as a Hugging Face directory `out`; returns the number of shards."""
+    peft, adapters = read_adapters(checkpoint)
+    base = base or peft.get("base")
+    if base is None:
+        raise CheckpointError(f"{checkpoint} was trained on the seed's base, not on weights of "
+                              "record; name the base with --base PATH")
+    model = build_model(cfg, device="meta")
+    materialize(model, "cpu")
+    load_weights(model, Path(base), key="--base")
+    weights = dict(model.state_dict())
+    scale = peft["alpha"] / peft["rank"]
+    for ours in [name for name in adapters if name.endswith("lora_A")]:
+        layer = ours.removesuffix(".lora_A")
+        a, b = adapters[ours].float(), adapters[f"{layer}.lora_B"].float()
+        weights[f"{layer}.weight"] = weights[f"{layer}.weight"].float() + scale * (b @ a)
+    return write_hf(lambda name: list(weights[name].shape), weights.__getitem__, cfg, out, dtype,
+                    max_shard_bytes)
