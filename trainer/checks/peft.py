@@ -34,9 +34,10 @@ def check_peft(job: JobConfig) -> None:
     if not 0 <= peft.dropout < 1:
         raise ConfigError(f"peft.dropout={peft.dropout} must be in [0, 1)")
     if job.optim.name != "adamw":
+        why = (": Muon orthogonalizes a layer's whole update, and an adapter's update is two thin "
+               "factors of one" if job.optim.name == "muon" else "")
         raise ConfigError(f"peft.method=lora trains its adapters with optim.name=adamw, not "
-                          f"optim.name={job.optim.name}: Muon orthogonalizes a layer's whole "
-                          "update, and an adapter's update is two thin factors of one")
+                          f"optim.name={job.optim.name}{why}")
     if job.training.float8.enabled:
         raise ConfigError("peft.method=lora does not combine with training.float8.enabled=true: "
                           "the adapters' layers stay in high precision; set one of them")
