@@ -167,9 +167,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
     f8 = t.float8.recipe if t.float8.enabled else None
     costs = family(m.family).costs
     counted = costs.flops(m, t.seq_len)
-    flops = counted.total
-    if job.peft.method is not None:  # (no frozen weight's gradient: see flops_per_token)
-        flops -= (counted.blocks + counted.head) / 3
+    flops = flops_per_token(m, t.seq_len, frozen_base=job.peft.method is not None)
     tokens_per_step = t.global_batch_size * t.seq_len
     # Full checkpointing runs a block's forward again (4/3 of the work: forward 1, backward 2); a
     # zero-bubble schedule's split backward runs it twice more (5/3, see memory.py). Selective
