@@ -19,7 +19,9 @@ nothing is downloaded.
 to-hf of a LoRA checkpoint (peft.method=lora: its adapters alone) writes peft's adapter directory
 (adapter_config.json, adapter_model.safetensors), which PeftModel.from_pretrained loads on the base
 model; --merge writes the base (--base, default the checkpoint.initial it trained from) with the
-adapters folded in, a whole model.
+adapters folded in, a whole model. from-hf of peft's adapter directory writes a LoRA checkpoint of
+ours on its base (--base, default its base_model_name_or_path): train on from it with
+checkpoint.initial=OUT and the same peft keys.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ from trainer.checkpoint.folders import (  # noqa: E402
 )
 from trainer.checkpoint.hf import read_hf  # noqa: E402
 from trainer.checkpoint.hf_export import export_hf  # noqa: E402
-from trainer.checkpoint.peft_io import export_merged, export_peft  # noqa: E402
+from trainer.checkpoint.peft_io import (  # noqa: E402
+    PEFT_CONFIG,
+    export_merged,
+    export_peft,
+    import_peft,
+)
 from trainer.checkpoint.state import check_same_shape, save_weights, saved_config  # noqa: E402
 from trainer.checkpoint.tokenizer_files import (  # noqa: E402
     export_tokenizer,
@@ -200,14 +207,19 @@ def main(argv: list[str]) -> None:
                         help="to-hf of a LoRA checkpoint: the base with the adapters folded in "
                              "(default: peft's adapter directory)")
     parser.add_argument("--base",
-                        help="to-hf of a LoRA checkpoint: its base (default: the "
-                             "checkpoint.initial it trained from)")
+                        help="to-hf of a LoRA checkpoint, from-hf of a peft adapter: its base "
+                             "(default: the checkpoint.initial it trained from; the adapter's "
+                             "base_model_name_or_path)")
     parser.add_argument("--tokenizer",
                         help="to-hf: the tokenizer to write, when the checkpoint holds none "
                              "(a tokenizer.json, or a folder holding one)")
     args = parser.parse_args(argv)
     try:
-        if args.direction == "from-hf":
+        if args.direction == "from-hf" and (args.source / PEFT_CONFIG).is_file():
+            layers = import_peft(args.source, args.out, args.base)
+            print(f"wrote the LoRA adapters of {layers} layers to {args.out}: train on from them "
+                  f"with checkpoint.initial={args.out} and the peft keys of its adapter.yaml")
+        elif args.direction == "from-hf":
             from_hf(args.source, args.out, args.model, args.write_config)
         else:
             to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size,

@@ -354,12 +354,22 @@ MISTAKES = {
                                            r"peft.target_modules: q_proj matches no linear layer"),
     "LoRA with Muon": (lambda p: ["peft.method=lora", "optim=muon"],
                        r"peft.method=lora trains its adapters with optim.name=adamw"),
+    "an unknown base dtype": (lambda p: ["peft.method=lora", "peft.base_dtype=int4"],
+                              r"peft.base_dtype=int4 is unknown; choose nf4 \(QLoRA\) or null"),
+    "a QLoRA layer not of 4-bit blocks": (lambda p: ["peft.method=lora", "peft.base_dtype=nf4",
+                                                     "model.dim=36", "model.n_heads=2",
+                                                     "model.n_kv_heads=2"],
+                                          r"peft.base_dtype=nf4 cannot hold "
+                                          r"layers.0.attention.wq in 4 bits over dp_shard\*cp=1 "
+                                          r"ranks: its 1296 weights are not a multiple of 64"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }
 
 
-EXTRA = {"float8 layer it cannot take": NEEDS_TORCHAO, "lighthouse not reachable": NEEDS_TORCHFT}
+EXTRA = {"float8 layer it cannot take": NEEDS_TORCHAO,
+         "a QLoRA layer not of 4-bit blocks": NEEDS_TORCHAO,
+         "lighthouse not reachable": NEEDS_TORCHFT}
 HIDDEN = {"tensorboard without its package": "tensorboard"}  # imports as if not installed
 
 

@@ -211,12 +211,12 @@ def test_lora_exports_as_a_peft_adapter_with_the_trainers_logits_and_merged(tmp_
     hf = hf_model("llama", tmp_path / "hf")
     shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96,
                  rope_theta=5000.0)
-    records = train_metrics(1, "+recipe=llama_fsdp", "+smoke=cpu", "model=llama_debug",
-                            *(f"model.{k}={v}" for k, v in shape.items()), "training.steps=2",
-                            "training.seq_len=32", "training.lr=1e-2", "training.warmup_steps=1",
-                            f"checkpoint.initial={tmp_path / 'hf'}", "checkpoint.enabled=true",
-                            *LORA, "peft.target_modules=[wq,wv,w2]",
-                            output_dir=tmp_path / "run")
+    run = ("+recipe=llama_fsdp", "+smoke=cpu", "model=llama_debug",
+           *(f"model.{k}={v}" for k, v in shape.items()), "training.seq_len=32",
+           "training.lr=1e-2", "training.warmup_steps=1")
+    adapted = (*LORA, "peft.target_modules=[wq,wv,w2]")
+    records = train_metrics(1, *run, "training.steps=2", f"checkpoint.initial={tmp_path / 'hf'}",
+                            "checkpoint.enabled=true", *adapted, output_dir=tmp_path / "run")
     assert len(records) == 2
     saved = tmp_path / "run" / "checkpoints" / "step_2"
     ours = build_model(config_from_hf(tmp_path / "hf"), device="meta")
@@ -240,3 +240,21 @@ def test_lora_exports_as_a_peft_adapter_with_the_trainers_logits_and_merged(tmp_
     with torch.no_grad():
         torch.testing.assert_close(tuned(tokens()).logits, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(merged(tokens()).logits, expected, rtol=1e-5, atol=1e-5)
+
+    # peft's directory back in: a LoRA checkpoint of ours on the same base, the same adapters;
+    # training on from it starts from the merged model's loss
+    convert("from-hf", str(tmp_path / "adapter"), str(tmp_path / "imported"))
+    keys, imported = read_adapters(tmp_path / "imported")
+    assert (keys["base"], keys["target_modules"]) == (str(tmp_path / "hf"), ["w2", "wq", "wv"])
+    assert all(torch.equal(imported[k], t) for k, t in read_adapters(saved)[1].items())
+    on = train_metrics(1, *run, "training.steps=1", f"checkpoint.initial={tmp_path / 'imported'}",
+                       *adapted, output_dir=tmp_path / "on")
+    whole = train_metrics(1, *run, "training.steps=1", f"checkpoint.initial={tmp_path / 'merged'}",
+                          output_dir=tmp_path / "whole")
+    assert on[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-5)
+    assert on[0]["loss"] != pytest.approx(records[0]["loss"], rel=1e-3)  # (the base's, step 1)
+    other = launch(1, *run, "training.steps=1", f"checkpoint.initial={tmp_path / 'imported'}",
+                   *LORA, output_dir=tmp_path / "other")
+    assert other.returncode == 2 and (
+        "holds rank-8, alpha-16 adapters on 6 layers (w2, wq, wv); this model's are rank 8, alpha "
+        "16 on 14 (w1, w2, w3, wk, wo, wq, wv): set peft.rank") in other.stderr, other.stderr

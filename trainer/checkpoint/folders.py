@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -31,6 +32,15 @@ ADAPTER_CONFIG = "adapter.yaml"
 
 class CheckpointError(ConfigError):
     """A checkpoint that is missing, incomplete or damaged."""
+
+
+def adapter_base(initial: str | None) -> str | None:
+    """The frozen base of a LoRA run started from `initial`: its weights, or the base they name
+    when they are LoRA adapters themselves (a LoRA checkpoint or an imported peft adapter)."""
+    file = Path(initial) / ADAPTER_CONFIG if initial else None
+    if file is None or not file.is_file():
+        return initial
+    return OmegaConf.load(file).get("base")
 
 
 class SaveFailed(Exception):

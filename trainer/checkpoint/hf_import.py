@@ -15,6 +15,7 @@ from trainer.checkpoint.safetensors_io import SafetensorsFile
 from trainer.errors import ConfigError
 from trainer.models import copy_full, tied_names
 from trainer.models.lora import is_adapter
+from trainer.models.nf4 import is_nf4
 from trainer.tensors import local_tensor
 
 
@@ -44,7 +45,8 @@ def load_hf_slices(parts: list[nn.Module], path: Path) -> None:
         for name, param in [*weights, *buffers]:
             if name not in sources:
                 raise ConfigError(f"{path} holds no weight for {name}")
-            box = _local_box(param)
+            # (QLoRA's 4-bit weights are quantized whole)
+            box = None if is_nf4(local_tensor(param)) else _local_box(param)
             if box is None:  # a shard that is not one block of the whole: read all, keep the shard
                 copy_full(param, _read_box(read, sources[name], param, _whole(param)))
                 continue

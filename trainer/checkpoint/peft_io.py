@@ -1,6 +1,7 @@
 """A LoRA checkpoint out: as a PEFT adapter directory (`adapter_config.json` and
 `adapter_model.safetensors` under peft's tensor names) that `peft.PeftModel.from_pretrained` loads
-on the transformers model, or folded into its base as a whole Hugging Face model (merged).
+on the transformers model, or folded into its base as a whole Hugging Face model (merged); and a
+PEFT adapter directory in, as a LoRA checkpoint of ours to train on (`checkpoint.initial`).
 
 The adapters are small (the checkpoint's own tensors, read whole); a merge holds the base's
 weights in host memory, one model in fp32.
@@ -13,12 +14,12 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from trainer.checkpoint.folders import ADAPTER_CONFIG, CheckpointError, verify
-from trainer.checkpoint.hf import hf_sources
+from trainer.checkpoint.hf import config_from_hf, hf_sources, is_hf_dir
 from trainer.checkpoint.hf_export import CachingReader, read_saved, write_hf
-from trainer.checkpoint.state import load_weights
+from trainer.checkpoint.state import load_weights, save_weights
 from trainer.config.schema import ModelConfig
 from trainer.models import build_model, materialize
 from trainer.models.lora import is_adapter
@@ -95,3 +96,41 @@ def export_merged(checkpoint: Path, cfg: ModelConfig, out: Path, base: str | Non
         weights[f"{layer}.weight"] = weights[f"{layer}.weight"].float() + scale * (b @ a)
     return write_hf(lambda name: list(weights[name].shape), weights.__getitem__, cfg, out, dtype,
                     max_shard_bytes)
+
+
+def import_peft(adapter_dir: Path, out: Path, base: str | None = None) -> int:
+    """Writes the PEFT LoRA adapter in `adapter_dir` as a LoRA checkpoint `out` of ours on its base
+    (`base`, default its base_model_name_or_path: a Hugging Face directory); returns how many
+    layers take adapters. `checkpoint.initial=out` with the same peft keys trains on from it."""
+    config = json.loads((adapter_dir / PEFT_CONFIG).read_text())
+    unlike = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "use_dora": False}
+    for key, ours in unlike.items():
+        if config.get(key, ours) != ours:
+            raise CheckpointError(f"{adapter_dir}: {PEFT_CONFIG} has {key}={config[key]}; only "
+                                  f"plain LoRA ({key}={ours}) imports")
+    base = base or config.get("base_model_name_or_path")
+    if base is None or not is_hf_dir(Path(base)):
+        raise CheckpointError(f"{adapter_dir}'s base {base} is not a Hugging Face directory here; "
+                              "name it with --base PATH")
+    cfg = config_from_hf(Path(base))
+    sources = hf_sources(cfg)
+    ours_of = {peft_name(cfg, f"{layer.removesuffix('.weight')}.{which}", sources):
+               f"{layer.removesuffix('.weight')}.{which}"
+               for layer, source in sources.items() if isinstance(source, str)
+               for which in ("lora_A", "lora_B")}
+    tensors = load_file(adapter_dir / PEFT_WEIGHTS)
+    unknown = sorted(set(tensors) - set(ours_of))
+    if unknown:
+        raise CheckpointError(f"{adapter_dir}: {unknown[0]} is no linear layer of a "
+                              f"{cfg.family} model's blocks ({len(unknown)} such)")
+    weights = {ours_of[name]: t.float().contiguous() for name, t in tensors.items()}
+    layers = sorted({name.rpartition(".")[0] for name in weights})
+    kinds = sorted({layer.rpartition(".")[2] for layer in layers})
+    # the layers by their last names where every block has the same ones, else whole
+    every = len(layers) == len(kinds) * len({layer.split(".")[1] for layer in layers})
+    adapter = {"method": "lora", "rank": config["r"], "alpha": float(config["lora_alpha"]),
+               "dropout": float(config.get("lora_dropout", 0.0)),
+               "target_modules": kinds if every else layers, "base": str(base)}
+    save_weights(cfg, weights, out, adapter=adapter)
+    return len(layers)

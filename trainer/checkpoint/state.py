@@ -40,8 +40,10 @@ from trainer.checkpoint.tokenizer_files import copy_tokenizer
 from trainer.config.schema import ModelConfig, shape_keys
 from trainer.errors import ConfigError
 from trainer.float8 import plain
-from trainer.models import model_config
-from trainer.models.lora import has_adapters, is_adapter
+from trainer.models import copy_full, model_config
+from trainer.models.lora import LoRALinear, has_adapters, is_adapter
+from trainer.models.nf4 import is_nf4
+from trainer.tensors import local_tensor
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -115,16 +117,65 @@ class TrainState:
         balancing, switched on for a model converted without one) keeps its initial value, as do
         LoRA adapters (the weights are their base)."""
         if (path / ADAPTER_CONFIG).is_file():
-            raise CheckpointError(f"{path} holds LoRA adapters without their base: resume it with "
-                                  f"checkpoint.resume={path} and peft.method=lora, or merge them "
-                                  "into its base first (scripts/convert_hf.py --merge)")
+            self.load_adapters(path)
+            return
         live, model = self.model_state(frozen=True)
         saved = SafeReader(path).read_metadata().state_dict_metadata
         kept = {_whole_name(name, 0) for name, _ in self.model.named_buffers()}
         kept |= {k for k in model if is_adapter(k)}
         model = {k: v for k, v in model.items() if f"model.{k}" in saved or k not in kept}
+        quantized = {k: model.pop(k) for k in list(model) if is_nf4(local_tensor(model[k]))}
         _dcp_load({"model": model}, path)
+        _load_quantized(quantized, path)
         set_model_state_dict(self.model, live)
+
+
+    def load_adapters(self, path: Path) -> None:
+        """A LoRA checkpoint's (or an imported peft adapter's) base, then its adapters, into a
+        model with the same adapters (their optimizer starts afresh)."""
+        if not self.adapted:
+            raise CheckpointError(f"{path} holds LoRA adapters: train on from them with "
+                                  "peft.method=lora, or merge them into their base first "
+                                  "(scripts/convert_hf.py --merge)")
+        recorded = OmegaConf.load(path / ADAPTER_CONFIG)
+        saved = {k.removeprefix("model.") for k in SafeReader(path).read_metadata()
+                 .state_dict_metadata if k.startswith("model.")}
+        live, model = self.model_state(frozen=False)
+        layer = next(m for m in self.model.modules() if isinstance(m, LoRALinear))
+        if _layers(saved) != _layers(model) or (layer.rank, layer.alpha) != (recorded.rank,
+                                                                             recorded.alpha):
+            raise CheckpointError(
+                f"{path} holds rank-{recorded.rank}, alpha-{recorded.alpha:g} adapters on "
+                f"{len(_layers(saved))} layers ({_kinds(saved)}); this model's are rank "
+                f"{layer.rank}, alpha {layer.alpha:g} on {len(_layers(model))} "
+                f"({_kinds(model)}): set peft.rank, peft.alpha and peft.target_modules to its")
+        if recorded.get("base") is None:
+            raise CheckpointError(f"{path} names no base ({ADAPTER_CONFIG}: base) to train on")
+        load_weights(list(self.model), recorded.base, key=f"the base of {path}")
+        _dcp_load({"model": model}, path)
+        set_model_state_dict(self.model, live, options=_model_options(False))
+
+
+def _layers(adapters) -> list[str]:
+    return sorted({name.rpartition(".")[0] for name in adapters})
+
+
+def _kinds(adapters) -> str:
+    return ", ".join(sorted({name.split(".")[-2] for name in adapters}))
+
+
+def _load_quantized(params: dict, path: Path) -> None:
+    """QLoRA's 4-bit weights: each read whole (a layer's at a time), quantized, and this rank's rows
+    kept, as the model's initialisation does: the same in every layout."""
+    layers: dict[str, dict] = {}
+    for name, param in params.items():
+        layers.setdefault(".".join(name.split(".")[:2]), {})[name] = param
+    for layer in layers.values():
+        full = {name: torch.empty(p.shape, dtype=p.dtype, device=local_tensor(p).device)
+                for name, p in layer.items()}
+        _dcp_load({"model": full}, path)
+        for name, param in layer.items():
+            copy_full(param, full[name])
 
 
 def _model_options(frozen: bool) -> StateDictOptions:
@@ -191,9 +242,10 @@ def load_weights(model: nn.Module | list[nn.Module], path: str | Path, key: str 
 
 
 def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, adapter: dict | None = None) -> None:
     """Writes full weights as a weights-only checkpoint (a seed or converted one), from one process,
-    with `tokenizer`'s files (data.tokenizer's form) when given."""
+    with `tokenizer`'s files (data.tokenizer's form) when given; `adapter` (the peft keys and base
+    of LoRA adapters, which `weights` then are)."""
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; choose a new directory")
     tmp = out.with_name(out.name + ".tmp")
@@ -202,6 +254,8 @@ def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path,
     OmegaConf.save(OmegaConf.structured(cfg), tmp / MODEL_CONFIG)
     if tokenizer is not None:
         copy_tokenizer(tokenizer, tmp)
+    if adapter is not None:
+        OmegaConf.save(OmegaConf.create(adapter), tmp / ADAPTER_CONFIG)
     with quiet_single_process():
         dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
     if out.exists():

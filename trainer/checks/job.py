@@ -19,7 +19,7 @@ import torch
 from trainer.checkpoint.folders import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
 from trainer.checks.layout import resolve_layout
-from trainer.checks.peft import check_peft
+from trainer.checks.peft import check_peft, check_qlora
 from trainer.checks.ranges import check_ranges
 from trainer.config.schema import (
     CheckpointConfig,
@@ -68,6 +68,7 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
         check_available(job.fault_tolerance)
     group = group_view(job)  # under fault tolerance, one replica group is the job's world
     dims = resolve_layout(group.parallel, job.model, group.training, world)
+    check_qlora(job, dims)
     if n_experts(job.model) and dims.tp_enabled and not job.parallel.sequence_parallel:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs "
                           "parallel.sequence_parallel=true: each tp rank routes its own slice of "

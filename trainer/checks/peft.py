@@ -4,13 +4,17 @@ combine with."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from trainer.config.schema import JobConfig, PeftConfig
 from trainer.errors import ConfigError
 from trainer.models import build_model, family
 from trainer.models.lora import matches, targets
+from trainer.models.nf4 import misfit
+from trainer.parallel.dims import ParallelDims
 
 METHODS = ("lora",)
+BASE_DTYPES = ("nf4",)
 
 
 def check_peft(job: JobConfig) -> None:
@@ -41,7 +45,30 @@ def check_peft(job: JobConfig) -> None:
     if job.training.float8.enabled:
         raise ConfigError("peft.method=lora does not combine with training.float8.enabled=true: "
                           "the adapters' layers stay in high precision; set one of them")
+    if peft.base_dtype is not None and peft.base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"peft.base_dtype={peft.base_dtype} is unknown; choose nf4 (QLoRA) or "
+                          "null (the compute dtype)")
+    if peft.base_dtype == "nf4" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("peft.base_dtype=nf4 needs torchao's NF4 tensor: "
+                          "pip install -e \".[qlora]\"")
     check_targets(job)
+
+
+def check_qlora(job: JobConfig, dims: ParallelDims) -> None:
+    """QLoRA's 4-bit base is sharded by FSDP alone (by rows, whole 4-bit blocks to each rank)."""
+    if job.peft.base_dtype != "nf4":
+        return
+    if dims.tp_enabled:
+        raise ConfigError(f"peft.base_dtype=nf4 does not combine with parallel.tp={dims.tp}: the "
+                          "4-bit base splits by rows under FSDP (with pp, cp, ep and HSDP), not "
+                          "by tensor parallel's columns; use parallel.tp=1 or peft.base_dtype=null")
+    spec, shards = family(job.model.family), dims.dp_shard * dims.cp
+    model = build_model(job.model, device="meta")
+    for name in targets(model, job.peft.target_modules or list(spec.lora_targets), spec.blocks):
+        why = misfit(model.get_submodule(name).weight.shape, shards)
+        if why is not None:
+            raise ConfigError(f"peft.base_dtype=nf4 cannot hold {name} in 4 bits over "
+                              f"dp_shard*cp={shards} ranks: {why}")
 
 
 def check_targets(job: JobConfig) -> None:

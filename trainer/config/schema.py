@@ -324,6 +324,9 @@ class PeftConfig:
     # fnmatch patterns of the linear layers that take adapters (a name without a dot matches a
     # layer's last part: wq); null: the family's (the attention and feed-forward projections)
     target_modules: Optional[List[str]] = None
+    # how the frozen weights of the layers with adapters are held: null (the compute dtype) | nf4
+    # (QLoRA: 4-bit NormalFloat, torchao's)
+    base_dtype: Optional[str] = None
 
 
 @dataclass

@@ -123,8 +123,10 @@ def _values(values: list[float]) -> str:
 @torch.no_grad()
 def check_finite(parts, optimizer, step: int) -> None:
     """Raises TrainingStopped when any parameter or optimizer state of any rank is NaN or infinite
-    (collective: every rank calls it before a checkpoint is written)."""
-    tensors = [(name, p) for part in parts for name, p in part.named_parameters()]
+    (collective: every rank calls it before a checkpoint is written). A frozen parameter (LoRA's
+    base) cannot have changed."""
+    tensors = [(name, p) for part in parts for name, p in part.named_parameters()
+               if p.requires_grad]
     names = {id(p): name for name, p in tensors}
     for p, state in optimizer.state.items():
         tensors += [(f"{names.get(id(p), '?')} ({key})", v) for key, v in state.items()

@@ -24,6 +24,7 @@ from trainer.config.keys import wanted
 from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models.lora import adapter_std, is_adapter
+from trainer.models.nf4 import copy_full_nf4, is_nf4
 from trainer.models.spec import ModelSpec, families, family, register_family
 from trainer.tensors import local_tensor
 
@@ -145,6 +146,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
 def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Sets a parameter (a plain tensor, or this rank's shard of a DTensor) from its full value."""
     local = local_tensor(param)
+    if is_nf4(local):
+        copy_full_nf4(param, full)
+        return
     full = full.to(device=local.device, dtype=local.dtype)
     if isinstance(param, DTensor):
         full = distribute_tensor(full, param.device_mesh, param.placements,

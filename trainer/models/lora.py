@@ -35,6 +35,7 @@ class LoraOptions:
     alpha: float
     dropout: float
     targets: tuple[str, ...]  # fnmatch patterns of module names (a bare name matches the last part)
+    base_dtype: str | None = None  # nf4: the adapted layers' frozen weights in 4 bits (QLoRA)
 
 
 class LoRALinear(nn.Linear):

@@ -31,8 +31,10 @@ def describe_lora(model: ModelConfig, options: LoraOptions) -> str:
     trained = sum(p.numel() for p in whole.parameters() if p.requires_grad)
     total = sum(p.numel() for p in whole.parameters())
     kinds = ", ".join(dict.fromkeys(name.rpartition(".")[2] for name in names))
+    adapted = sum(whole.get_submodule(name).weight.numel() for name in names)
     experts = any(isinstance(m, GroupedExperts) for m in whole.modules())
     return (f"peft: LoRA rank {options.rank}, alpha {options.alpha:g} on {len(names)} linear "
             f"layers ({kinds}): {trained / 1e6:.3f}M of {total / 1e6:.2f}M parameters train "
             f"({100 * trained / total:.2f}%), the rest frozen"
+            + (f", {adapted / 1e6:.2f}M of them in 4-bit nf4" if options.base_dtype else "")
             + ("; the routed experts take no adapters" if experts else ""))

@@ -21,6 +21,7 @@ from trainer.models.attention import attend_within_documents
 from trainer.models.head import set_loss_chunk
 from trainer.models.lora import LoraOptions, add_adapters
 from trainer.models.moe import set_aux_loss_scale
+from trainer.models.nf4 import quantize_base
 from trainer.parallel import ParallelOptions, parallelize
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import keep_modules, split_modules, stage_ids
@@ -77,7 +78,7 @@ def lora_options(job: JobConfig) -> LoraOptions | None:
     if peft.method != "lora":
         return None
     patterns = peft.target_modules or family(job.model.family).lora_targets
-    return LoraOptions(peft.rank, peft.alpha, peft.dropout, tuple(patterns))
+    return LoraOptions(peft.rank, peft.alpha, peft.dropout, tuple(patterns), peft.base_dtype)
 
 
 def attends_within_documents(data) -> bool:
@@ -111,6 +112,8 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str],
         convert_float8(part, options.float8)
     if options.lora is not None:
         add_adapters(part, options.lora, spec.blocks)
+        if options.lora.base_dtype == "nf4":
+            quantize_base(part, options.parallel.param_dtype, device)
     parallelize(part, spec, dims, options.parallel, options.model)
     if torch.device(device).type != "meta":
         materialize(part, device)

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.models.moe import moe_layers
+from trainer.models.nf4 import is_nf4
 
 
 def edge_units(embedding: nn.Module | None,
@@ -41,10 +42,15 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module |
     gradients with parameters re-gathered for backward (measured with torch 2.13).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # QLoRA's 4-bit weights are left to FSDP only where it shards them: over one rank, torchao's
+    # NF4 tensor does not take FSDP's gather (torchao 0.18).
+    ignored = ({p for p in model.parameters() if is_nf4(p)} if mesh.size(mesh.ndim - 1) == 1
+               else None)
 
     def shard(module: nn.Module | list[nn.Module], reshard: bool, on: DeviceMesh = mesh) -> None:
         sharded = fully_shard(module, mesh=on, mp_policy=mp_policy,
-                              reshard_after_forward=reshard and not pipelined)
+                              reshard_after_forward=reshard and not pipelined,
+                              ignored_params=ignored)
         # (a list of modules is one unit, whose state its first module holds)
         (sharded if isinstance(sharded, FSDPModule) else sharded[0]).set_custom_reduce_scatter(
             compute_pool_reduce_scatter(on.size()))

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from trainer.config.schema import JobConfig, OptimConfig
 from trainer.models import ModelSpec, family
 from trainer.models.moe import moe_layers
+from trainer.models.nf4 import is_nf4
 from trainer.optim.spec import optimizer_of
 from trainer.parallel.build import build_options, build_part, one_block
 from trainer.parallel.dims import ParallelDims
@@ -50,6 +51,11 @@ class Unit:
     # frozen base's (LoRA's).
     trained: int = 0
     trained_gathered: int = 0
+    # The elements held in 4 bits (QLoRA's base), held and gathered, and the largest such matrix
+    # (dequantized whole in its layer's forward and backward).
+    quantized: int = 0
+    quantized_gathered: int = 0
+    quantized_largest: int = 0
 
 
 @dataclass
@@ -183,6 +189,10 @@ def _unit(name: str, params, apart=lambda p: False, flops=lambda rows, cols: 0.0
         if p.requires_grad:
             unit.trained += local
             unit.trained_gathered += local * _fsdp_factor(p)
+        if is_nf4(p.to_local() if isinstance(p, DTensor) else p):
+            unit.quantized += local
+            unit.quantized_gathered += local * _fsdp_factor(p)
+            unit.quantized_largest = max(unit.quantized_largest, p.numel())
         if apart(p):
             rows, cols = p.shape[-2:]
             unit.apart += local

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.models.costs import FP32, Costs, Shapes
+from trainer.models.nf4 import DEQUANTIZE_BYTES, NF4_BYTES
 from trainer.optim.adamw import ADAMW
 from trainer.optim.muon_exchange import ROUND_ELEMENTS
 from trainer.optim.spec import OptimizerSpec
@@ -145,8 +146,9 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     element, and whether it updates the matrices it treats apart whole)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     trained = sum(u.trained for stage in stages for u in stage.units)  # (LoRA: the adapters)
-    # fp32 masters of what trains; a frozen base (LoRA's) held in the compute dtype
-    params = trained * FP32 + (sharded - trained) * param_bytes
+    quantized = sum(u.quantized for stage in stages for u in stage.units)  # (QLoRA's base)
+    # fp32 masters of what trains; a frozen base (LoRA's) held in the compute dtype, or in 4 bits
+    params = trained * FP32 + (sharded - trained - quantized) * param_bytes + quantized * NF4_BYTES
     grads = trained * FP32
     apart = (sum(u.apart for stage in stages for u in stage.units) if optimizer.apart is not None
              else 0)
@@ -158,6 +160,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
                  else 0.0
                  for u in units}
     per_element = {u.name: gathered_bytes_per_element(param_bytes, in_float8[u.name], float8)
+                   - (param_bytes - NF4_BYTES) * u.quantized_gathered / max(u.gathered, 1)
                    for u in units}
     gathered = gathered_at_backward(units, per_element, schedule)
     blocks = [i for stage in stages for i in stage.blocks]
@@ -205,6 +208,10 @@ def backward_buffers(units: list, stages: list[StageHoldings], blocks: list[int]
         # The float8 copies of the computing unit's weights (gathered in high precision, then cast;
         # under tensorwise a transposed copy for backward), one byte an element.
         buffers += max((u.gathered * in_float8[u.name] for u in units), default=0)
+    # QLoRA: the largest 4-bit matrix dequantized, its codes as indices and its values (about
+    # three copies of them at once)
+    buffers += max((u.quantized_largest for u in units), default=0) * (DEQUANTIZE_BYTES
+                                                                      + 3 * s.act_bytes)
     if schedule is not None:
         # Stage inputs received and their gradients, for each stage-microbatch in flight; the first
         # stage's input is token ids.

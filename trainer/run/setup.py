@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from trainer.checkpoint import Checkpointer, TrainState
+from trainer.checkpoint.folders import adapter_base
 from trainer.config.schema import CheckpointConfig, JobConfig
 from trainer.data.microbatches import StepData
 from trainer.faults.guards import SpikeRollback, StepGuard
@@ -22,6 +23,7 @@ from trainer.float8 import Float8Scales, float8_of, gathers_in_float8
 from trainer.float8 import describe as describe_float8
 from trainer.models import family
 from trainer.models.moe_config import n_experts
+from trainer.models.nf4 import stored_bytes
 from trainer.observe.describe import describe_layout, describe_lora, describe_share
 from trainer.observe.health import RankHealth
 from trainer.observe.measured_memory import MemoryFigures
@@ -78,7 +80,8 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
         OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
 
     # (a LoRA run's checkpoints name their frozen base)
-    adapter = {**config["peft"], "base": checkpoint.initial} if job.peft.method else None
+    adapter = ({**config["peft"], "base": adapter_base(checkpoint.initial)} if job.peft.method
+               else None)
     checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config["model"], device,
                                       job.data.tokenizer, faults, adapter)
     # only rank 0 logs mfu
@@ -214,7 +217,7 @@ def describe_model(model: nn.Module, dims: ParallelDims, log) -> float:
     """Prints the layout and rank 0's share of the model; returns the MiB of parameters this rank
     holds."""
     held = [local_tensor(p) for p in model.parameters()]
-    param_mib = sum(p.numel() * p.element_size() for p in held) / 2**20
+    param_mib = sum(stored_bytes(p) for p in held) / 2**20
     total = sum(p.numel() for p in model.parameters())
     log(f"{describe_layout(dims)} | grad_accum_steps={dims.grad_accum_steps} | "
         f"{describe_share(dims, total, sum(p.numel() for p in held), param_mib)}")
