@@ -25,6 +25,9 @@ NF4_BYTES = 0.5 + 1 / BLOCK + 4 / (BLOCK * SCALER_BLOCK)
 # Bytes an element of the matrix being dequantized takes at once, besides the compute dtype's:
 # torchao unpacks the two codes of each byte into int64 indices.
 DEQUANTIZE_BYTES = 8
+# Bytes of memory traffic an element's dequantization takes (bf16): its code read, two int64 indices
+# written and read, the looked-up value, its scaling and the interleaving each written and read.
+DEQUANTIZE_TRAFFIC = 26
 
 
 def scaler_block(numel: int) -> int:

@@ -21,6 +21,7 @@ from trainer.errors import ConfigError
 from trainer.models import family
 from trainer.models.costs import FP32, Shapes
 from trainer.models.moe_config import n_experts
+from trainer.models.nf4 import DEQUANTIZE_TRAFFIC, NF4_BYTES
 from trainer.observe.metrics import flops_per_token
 from trainer.optim.spec import optimizer_of
 from trainer.parallel.dims import ParallelDims
@@ -189,9 +190,11 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
                               + in_float8 / (device.fp8_tflops * FLOAT8_EFFICIENCY))
     gathered_per_element = gathered_bytes_per_element(shapes.act_bytes, costs.float8_params(m), f8)
     optimizer = optimizer_of(job.optim)
+    quantized = sum(u.quantized_gathered for u in units)  # (QLoRA's base, gathered in 4 bits)
     return step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
-        gathered_bytes=sum(u.gathered for u in units) * gathered_per_element,
+        gathered_bytes=sum(u.gathered for u in units) * gathered_per_element
+        - quantized * (shapes.act_bytes - NF4_BYTES),
         grad_bytes=sum(u.trained_gathered for u in units) * FP32,
         sharded_grad_bytes=sum(u.trained for u in units) * FP32,
         act_stream_bytes=stream, kv_bytes=costs.context_bytes(shapes),
@@ -206,4 +209,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         optimizer_tflops=device.peak_tflops(optimizer.matrix_dtype(job.optim, device.kind)),
         exchanged_bytes=sum(u.apart_moved for u in units) * FP32 if optimizer.whole_matrices
         else 0.0,
+        # QLoRA: each 4-bit weight dequantized in forward, backward and a recomputed forward
+        memory_bound_bytes=quantized * DEQUANTIZE_TRAFFIC * (2 + share) * dims.grad_accum_steps
+        * dims.pp_microbatches,
     )

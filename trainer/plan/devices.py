@@ -58,6 +58,7 @@ class Device:
     # The share of a rank's time the other ranks on its cores take when it waits (CPU ranks that
     # outnumber the cores: 1 - cores / ranks): a pipeline bubble up to this share costs no time.
     lent_idle: float = 0.0
+    memory_gbps: float = 0.0  # memory bandwidth per device (0: unknown, memory-bound work untimed)
 
     def peak_tflops(self, dtype: torch.dtype) -> float:
         return self.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_tflops
@@ -67,13 +68,14 @@ class Device:
 DEVICES = {
     # H100 SXM 80GB, NVLink 4, 400 Gb/s NIC per GPU
     "h100": Device("h100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA H100 80GB HBM3"], 494.0, 450.0, 50.0, 8,
-                   fp8_tflops=1979.0),
+                   fp8_tflops=1979.0, memory_gbps=3350.0),
     "h200": Device("h200", 138.0, CUDA_PEAK_TFLOPS["NVIDIA H200"], 494.0, 450.0, 50.0, 8,
-                   fp8_tflops=1979.0),  # H200 SXM 141GB
+                   fp8_tflops=1979.0, memory_gbps=4800.0),  # H200 SXM 141GB
     # A100 SXM 80GB, NVLink 3, 200 Gb/s NIC
-    "a100": Device("a100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA A100-SXM4-80GB"], 156.0, 300.0, 25.0, 8),
+    "a100": Device("a100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA A100-SXM4-80GB"], 156.0, 300.0, 25.0, 8,
+                   memory_gbps=2039.0),
     "b200": Device("b200", 178.0, CUDA_PEAK_TFLOPS["NVIDIA B200"], 1125.0, 900.0, 50.0, 8,
-                   fp8_tflops=4500.0),  # B200 180GB, NVLink 5
+                   fp8_tflops=4500.0, memory_gbps=8000.0),  # B200 180GB, NVLink 5
 }
 
 

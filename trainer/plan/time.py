@@ -73,12 +73,13 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
               microbatches_per_rank: int, recompute: float, selective: bool, schedule: str | None,
               per_rank_stages: int, n_microbatches: int, moe: bool = False,
               optimizer_flops: float = 0.0, optimizer_tflops: float = 0.0,
-              exchanged_bytes: float = 0.0) -> StepTime:
+              exchanged_bytes: float = 0.0, memory_bound_bytes: float = 0.0) -> StepTime:
     """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py);
     `recompute` is the share of blocks whose forward runs again in backward. The optimizer's own
     work: this rank's FLOPs a step (Muon's Newton-Schulz iterations), at `optimizer_tflops` peak,
     and the bytes of matrix pieces it sends to their owners (and receives back) over the FSDP x tp
-    group."""
+    group. `memory_bound_bytes`: the memory traffic a step's work adds beside the FLOPs (QLoRA's
+    dequantization), at the device's memory bandwidth."""
     tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
     share = layout_share(device, dims)
     moe_share = MOE_EFFICIENCY[device.kind] if moe else 1.0
@@ -86,6 +87,8 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     peak = dtype_peak_tflops * 1e12 * share * moe_share * tp_share
     # nan: the device's peak is unknown
     compute = flops_per_rank / peak if peak > 0 else float("nan")
+    if device.memory_gbps:
+        compute += memory_bound_bytes / (device.memory_gbps * 1e9)
 
     fsdp_ranks = dp_shard * cp
     fsdp_link = link_gbps(device, tp, fsdp_ranks)
