@@ -16,7 +16,7 @@ from trainer.checkpoint.peft_io import read_adapters
 from trainer.checks.job import check_job
 from trainer.checks.overrides import compose_job
 from trainer.models import family, init_weights, materialize
-from trainer.models.lora import LoRALinear, LoraOptions, add_adapters, is_adapter
+from trainer.models.lora import LoRALinear, LoraOptions, adapter_std, add_adapters, is_adapter
 from trainer.observe.compare import TOLERANCES
 from trainer.optim.build import build_optimizer
 from trainer.parallel import ParallelOptions, parallelize
@@ -258,3 +258,54 @@ def test_lora_exports_as_a_peft_adapter_with_the_trainers_logits_and_merged(tmp_
     assert other.returncode == 2 and (
         "holds rank-8, alpha-16 adapters on 6 layers (w2, wq, wv); this model's are rank 8, alpha "
         "16 on 14 (w1, w2, w3, wk, wo, wq, wv): set peft.rank") in other.stderr, other.stderr
+
+
+def test_lora_learns_a_low_rank_change_of_task_nearly_as_well_as_full_fine_tuning():
+    """A model trained on one Markov chain, fine-tuned on another whose transition logits differ by
+    a rank-2 term: rank-4 adapters (9% of the weights) come within 6% of full fine-tuning's
+    validation loss (measured: 1.596 against 1.544; the base 2.731, the chain's own 1.509)."""
+    vocab, length = 32, 32
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(vocab, vocab, generator=gen) * 2.5
+    u, v = torch.randn(vocab, 2, generator=gen), torch.randn(2, vocab, generator=gen)
+    second = first + 2.5 * u @ v / 2**0.5
+
+    def sample(logits, n, seed):
+        draw, probs = torch.Generator().manual_seed(seed), torch.softmax(logits, -1)
+        x = torch.randint(0, vocab, (n, 1), generator=draw)
+        for _ in range(length):
+            x = torch.cat([x, torch.multinomial(probs[x[:, -1]], 1, generator=draw)], 1)
+        return x
+
+    def fit(model, logits, steps, lr, seed):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
+        for step in range(steps):
+            x = sample(logits, 32, seed * 1000 + step)
+            model(x[:, :-1], labels=x[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    shape = dict(name="markov", family="llama", dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                 vocab_size=vocab, ffn_dim=128, max_seq_len=64)
+    base = build_model(shape, seed=0)
+    fit(base, first, 200, 3e-3, 1)
+    val = sample(second, 256, 9)
+    with torch.no_grad():
+        loss = lambda model: model(val[:, :-1], labels=val[:, 1:]).item()  # noqa: E731
+        floor = torch.nn.functional.cross_entropy(second[val[:, :-1]].reshape(-1, vocab),
+                                                  val[:, 1:].reshape(-1)).item()
+    full, adapted = build_model(shape), build_model(shape)
+    full.load_state_dict(base.state_dict())
+    adapted.load_state_dict(base.state_dict())
+    spec = family("llama")
+    add_adapters(adapted, LoraOptions(4, 8.0, 0.0, spec.lora_targets), spec.blocks)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if is_adapter(name):
+                p.normal_(0.0, adapter_std(name, p.shape)) if name.endswith("A") else p.zero_()
+    fit(full, second, 120, 1e-3, 2)
+    fit(adapted, second, 120, 3e-3, 2)
+    before, after_full, after_lora = loss(base), loss(full), loss(adapted)
+    assert before > 1.5 * floor and after_full < 1.05 * floor
+    assert after_lora < 1.06 * after_full, (before, after_full, after_lora, floor)

@@ -129,7 +129,6 @@ class TrainState:
         _load_quantized(quantized, path)
         set_model_state_dict(self.model, live)
 
-
     def load_adapters(self, path: Path) -> None:
         """A LoRA checkpoint's (or an imported peft adapter's) base, then its adapters, into a
         model with the same adapters (their optimizer starts afresh)."""
