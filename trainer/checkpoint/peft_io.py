@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from trainer.checkpoint.folders import ADAPTER_CONFIG, CheckpointError, verify
 from trainer.checkpoint.hf import config_from_hf, hf_sources, is_hf_dir
 from trainer.checkpoint.hf_export import CachingReader, read_saved, write_hf
-from trainer.checkpoint.state import load_weights, save_weights
+from trainer.checkpoint.state import adapter_layers, load_weights, save_weights
 from trainer.config.schema import ModelConfig
 from trainer.models import build_model, materialize
 from trainer.models.lora import is_adapter
@@ -125,7 +125,7 @@ def import_peft(adapter_dir: Path, out: Path, base: str | None = None) -> int:
         raise CheckpointError(f"{adapter_dir}: {unknown[0]} is no linear layer of a "
                               f"{cfg.family} model's blocks ({len(unknown)} such)")
     weights = {ours_of[name]: t.float().contiguous() for name, t in tensors.items()}
-    layers = sorted({name.rpartition(".")[0] for name in weights})
+    layers = adapter_layers(weights)
     kinds = sorted({layer.rpartition(".")[2] for layer in layers})
     # the layers by their last names where every block has the same ones, else whole
     every = len(layers) == len(kinds) * len({layer.split(".")[1] for layer in layers})

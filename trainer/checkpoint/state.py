@@ -141,12 +141,12 @@ class TrainState:
                  .state_dict_metadata if k.startswith("model.")}
         live, model = self.model_state(frozen=False)
         layer = next(m for m in self.model.modules() if isinstance(m, LoRALinear))
-        if _layers(saved) != _layers(model) or (layer.rank, layer.alpha) != (recorded.rank,
-                                                                             recorded.alpha):
+        same = (layer.rank, layer.alpha) == (recorded.rank, recorded.alpha)
+        if adapter_layers(saved) != adapter_layers(model) or not same:
             raise CheckpointError(
                 f"{path} holds rank-{recorded.rank}, alpha-{recorded.alpha:g} adapters on "
-                f"{len(_layers(saved))} layers ({_kinds(saved)}); this model's are rank "
-                f"{layer.rank}, alpha {layer.alpha:g} on {len(_layers(model))} "
+                f"{len(adapter_layers(saved))} layers ({_kinds(saved)}); this model's are rank "
+                f"{layer.rank}, alpha {layer.alpha:g} on {len(adapter_layers(model))} "
                 f"({_kinds(model)}): set peft.rank, peft.alpha and peft.target_modules to its")
         if recorded.get("base") is None:
             raise CheckpointError(f"{path} names no base ({ADAPTER_CONFIG}: base) to train on")
@@ -155,7 +155,8 @@ class TrainState:
         set_model_state_dict(self.model, live, options=_model_options(False))
 
 
-def _layers(adapters) -> list[str]:
+def adapter_layers(adapters) -> list[str]:
+    """The layers that adapter names (layers.0.attention.wq.lora_A) belong to, sorted."""
     return sorted({name.rpartition(".")[0] for name in adapters})
 
 
