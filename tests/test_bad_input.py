@@ -362,9 +362,36 @@ MISTAKES = {
                                           r"peft.base_dtype=nf4 cannot hold "
                                           r"layers.0.attention.wq in 4 bits over dp_shard\*cp=1 "
                                           r"ranks: its 1296 weights are not a multiple of 64"),
+    "LoRA adapters as initial of another rank": (
+        lambda p: [f"checkpoint.initial={lora_checkpoint(p)}", "peft.method=lora", "peft.rank=4"],
+        r"lora holds rank-8, alpha-16 adapters on 1 layers \(wq\); this model's are rank 4, alpha "
+        r"16 on 56 \(w1, w2, w3, wk, wo, wq, wv\)"),
+    "LoRA adapters as initial of a full fine-tune": (
+        lambda p: [f"checkpoint.initial={lora_checkpoint(p)}"],
+        r"checkpoint.initial=.*lora holds LoRA adapters: train on from them with peft.method=lora"),
+    "LoRA adapters resumed as a full fine-tune": (
+        lambda p: [f"checkpoint.resume={lora_checkpoint(p)}"],
+        r"checkpoint.resume=.*lora holds LoRA adapters on a frozen base"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }
+
+
+def lora_checkpoint(folder: Path) -> Path:
+    """A LoRA checkpoint's files as the checks before launch read them: its manifest, its peft keys
+    and the names of its adapters (rank 8 on layer 0's wq)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    path = folder / "lora"
+    adapters = {"model.layers.0.attention.wq.lora_A": torch.zeros(8, 256),
+                "model.layers.0.attention.wq.lora_B": torch.zeros(256, 8)}
+    dcp.save(adapters, checkpoint_id=path, no_dist=True)
+    OmegaConf.save(OmegaConf.create({"method": "lora", "rank": 8, "alpha": 16.0, "base": None}),
+                   path / "adapter.yaml")
+    (path / "manifest.json").write_text(json.dumps({"step": 1, "files": {}}))
+    return path
 
 
 EXTRA = {"float8 layer it cannot take": NEEDS_TORCHAO,

@@ -43,6 +43,26 @@ def adapter_base(initial: str | None) -> str | None:
     return OmegaConf.load(file).get("base")
 
 
+def check_same_method(path: Path, adapted: bool) -> str | None:
+    """A LoRA checkpoint resumes only as LoRA, a full one only as a full fine-tune; returns the
+    frozen base a LoRA checkpoint names."""
+    file = path / ADAPTER_CONFIG
+    if file.is_file() and not adapted:
+        raise CheckpointError(f"checkpoint.resume={path} holds LoRA adapters on a frozen base; "
+                              "resume it with peft.method=lora, or train the whole model from "
+                              "its merged weights (scripts/convert_hf.py --merge)")
+    if adapted and not file.is_file():
+        raise CheckpointError(f"checkpoint.resume={path} holds a full fine-tune; peft.method=lora "
+                              f"starts adapters on its weights with checkpoint.initial={path} "
+                              "and checkpoint.resume=none")
+    return OmegaConf.load(file).get("base") if adapted else None
+
+
+def adapter_layers(names) -> list[str]:
+    """The layers that adapter names (layers.0.attention.wq.lora_A) belong to, sorted."""
+    return sorted({name.rpartition(".")[0] for name in names})
+
+
 class SaveFailed(Exception):
     """A rank could not write its part of a checkpoint (raised on every rank)."""
 

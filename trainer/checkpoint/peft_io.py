@@ -16,10 +16,10 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from trainer.checkpoint.folders import ADAPTER_CONFIG, CheckpointError, verify
+from trainer.checkpoint.folders import ADAPTER_CONFIG, CheckpointError, adapter_layers, verify
 from trainer.checkpoint.hf import config_from_hf, hf_sources, is_hf_dir
 from trainer.checkpoint.hf_export import CachingReader, read_saved, write_hf
-from trainer.checkpoint.state import adapter_layers, load_weights, save_weights
+from trainer.checkpoint.state import load_weights, save_weights
 from trainer.config.schema import ModelConfig
 from trainer.models import build_model, materialize
 from trainer.models.lora import is_adapter

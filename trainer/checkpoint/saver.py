@@ -20,6 +20,7 @@ from trainer.checkpoint.folders import (
     MODEL_CONFIG,
     CheckpointError,
     SaveFailed,
+    check_same_method,
     checkpoint_steps,
     find_resume,
     newest_step,
@@ -68,21 +69,6 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
                      key="checkpoint.initial")
         log(f"checkpoint: initial weights from {cfg.initial}")
     return 0, 0, None
-
-
-def check_same_method(path: Path, adapted: bool) -> str | None:
-    """A LoRA checkpoint resumes only as LoRA, a full one only as a full fine-tune; returns the
-    frozen base a LoRA checkpoint names."""
-    file = path / ADAPTER_CONFIG
-    if file.is_file() and not adapted:
-        raise CheckpointError(f"checkpoint.resume={path} holds LoRA adapters on a frozen base; "
-                              "resume it with peft.method=lora, or train the whole model from "
-                              "its merged weights (scripts/convert_hf.py --merge)")
-    if adapted and not file.is_file():
-        raise CheckpointError(f"checkpoint.resume={path} holds a full fine-tune; peft.method=lora "
-                              f"starts adapters on its weights with checkpoint.initial={path} "
-                              "and checkpoint.resume=none")
-    return OmegaConf.load(file).get("base") if adapted else None
 
 
 def roll_back(state: TrainState, folder: Path, checkpointer: Checkpointer, log) -> int | None:

@@ -19,7 +19,7 @@ import torch
 from trainer.checkpoint.folders import MANIFEST
 from trainer.checkpoint.hf import is_hf_dir
 from trainer.checks.layout import resolve_layout
-from trainer.checks.peft import check_peft, check_qlora
+from trainer.checks.peft import check_peft, check_peft_checkpoints, check_qlora
 from trainer.checks.ranges import check_ranges
 from trainer.config.schema import (
     CheckpointConfig,
@@ -48,6 +48,7 @@ def check_config(job: JobConfig, world: int) -> ParallelDims:
     checks first, and trainer-run before it starts any. Returns the layout."""
     dims = check_job(job, world)
     check_checkpoint(job.checkpoint)
+    check_peft_checkpoints(job)
     check_data(job.data)
     if job.training.spike.action == "rollback" and not job.checkpoint.enabled:
         raise ConfigError("training.spike.action=rollback needs checkpoint.enabled=true (a "
@@ -62,13 +63,13 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     if ranges:
         check_ranges(job)
     check_model(job.model)
-    check_peft(job)
+    adapted = check_peft(job)
     if job.fault_tolerance.enabled:
         check_fault_tolerance(job.fault_tolerance, job.parallel, job.training, job.model)
         check_available(job.fault_tolerance)
     group = group_view(job)  # under fault tolerance, one replica group is the job's world
     dims = resolve_layout(group.parallel, job.model, group.training, world)
-    check_qlora(job, dims)
+    check_qlora(job, dims, adapted)
     if n_experts(job.model) and dims.tp_enabled and not job.parallel.sequence_parallel:
         raise ConfigError(f"parallel.tp={dims.tp} with a mixture-of-experts model needs "
                           "parallel.sequence_parallel=true: each tp rank routes its own slice of "

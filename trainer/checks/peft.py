@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+
+from trainer.checkpoint.folders import (
+    ADAPTER_CONFIG,
+    MANIFEST,
+    CheckpointError,
+    SafeReader,
+    adapter_layers,
+    check_same_method,
+    checkpoint_steps,
+)
 from trainer.config.schema import JobConfig, PeftConfig
 from trainer.errors import ConfigError
 from trainer.models import build_model, family
@@ -17,8 +30,9 @@ METHODS = ("lora",)
 BASE_DTYPES = ("nf4",)
 
 
-def check_peft(job: JobConfig) -> None:
-    """peft.* alone, then against the model (its linear layers) and the other sections."""
+def check_peft(job: JobConfig) -> dict[str, torch.Size]:
+    """peft.* alone, then against the model (its linear layers) and the other sections; returns
+    the weight shapes of the layers that take adapters (none without peft.method)."""
     peft = job.peft
     if peft.method is None:
         changed = [f.name for f in dataclasses.fields(PeftConfig)
@@ -27,7 +41,7 @@ def check_peft(job: JobConfig) -> None:
             raise ConfigError(f"peft.{changed[0]}={getattr(peft, changed[0])} is set but "
                               "peft.method is not: add peft.method=lora (null: every weight "
                               "trains)")
-        return
+        return {}
     if peft.method not in METHODS:
         raise ConfigError(f"peft.method={peft.method} is unknown; choose one of {list(METHODS)} "
                           "(null: every weight trains)")
@@ -51,28 +65,64 @@ def check_peft(job: JobConfig) -> None:
     if peft.base_dtype == "nf4" and importlib.util.find_spec("torchao") is None:
         raise ConfigError("peft.base_dtype=nf4 needs torchao's NF4 tensor: "
                           "pip install -e \".[qlora]\"")
-    check_targets(job)
+    return check_targets(job)
 
 
-def check_qlora(job: JobConfig, dims: ParallelDims) -> None:
-    """QLoRA's 4-bit base is sharded by FSDP alone (by rows, whole 4-bit blocks to each rank)."""
+def check_qlora(job: JobConfig, dims: ParallelDims, shapes: dict[str, torch.Size]) -> None:
+    """QLoRA's 4-bit base is sharded by FSDP alone (by rows, whole 4-bit blocks to each rank);
+    `shapes`: the adapted layers' weights (check_peft's)."""
     if job.peft.base_dtype != "nf4":
         return
     if dims.tp_enabled:
         raise ConfigError(f"peft.base_dtype=nf4 does not combine with parallel.tp={dims.tp}: the "
                           "4-bit base splits by rows under FSDP (with pp, cp, ep and HSDP), not "
                           "by tensor parallel's columns; use parallel.tp=1 or peft.base_dtype=null")
-    spec, shards = family(job.model.family), dims.dp_shard * dims.cp
-    model = build_model(job.model, device="meta")
-    for name in targets(model, job.peft.target_modules or list(spec.lora_targets), spec.blocks):
-        why = misfit(model.get_submodule(name).weight.shape, shards)
+    shards = dims.dp_shard * dims.cp
+    for name, shape in shapes.items():
+        why = misfit(shape, shards)
         if why is not None:
             raise ConfigError(f"peft.base_dtype=nf4 cannot hold {name} in 4 bits over "
                               f"dp_shard*cp={shards} ranks: {why}")
 
 
-def check_targets(job: JobConfig) -> None:
-    """Every pattern names a linear layer of the blocks, and the rank fits each layer it names."""
+def check_peft_checkpoints(job: JobConfig) -> None:
+    """The checkpoints a run starts from against its method: a LoRA checkpoint resumes only as
+    LoRA and a full one only as a full fine-tune; a LoRA checkpoint as checkpoint.initial holds the
+    adapters this run trains (rank, alpha, layers)."""
+    cfg, adapted = job.checkpoint, job.peft.method is not None
+    if cfg.resume not in ("auto", "none"):
+        check_same_method(_a_step(Path(cfg.resume)), adapted)
+    initial = _a_step(Path(cfg.initial)) if cfg.initial else None
+    if initial is None or not (initial / ADAPTER_CONFIG).is_file():
+        return
+    if not adapted:
+        raise CheckpointError(f"checkpoint.initial={cfg.initial} holds LoRA adapters: train on "
+                              "from them with peft.method=lora, or merge them into their base "
+                              "first (scripts/convert_hf.py --merge)")
+    layers, recorded = sorted(check_targets(job)), OmegaConf.load(initial / ADAPTER_CONFIG)
+    saved = adapter_layers(k.removeprefix("model.") for k in
+                           SafeReader(initial).read_metadata().state_dict_metadata
+                           if k.startswith("model."))
+    peft = job.peft
+    if saved != layers or (peft.rank, peft.alpha) != (recorded.rank, recorded.alpha):
+        raise CheckpointError(
+            f"checkpoint.initial={initial} holds rank-{recorded.rank}, alpha-{recorded.alpha:g} "
+            f"adapters on {len(saved)} layers ({_kinds(saved)}); this model's are rank "
+            f"{peft.rank}, alpha {peft.alpha:g} on {len(layers)} ({_kinds(layers)}): set "
+            "peft.rank, peft.alpha and peft.target_modules to its")
+
+
+def _a_step(path: Path) -> Path:
+    """`path` when it is a checkpoint; for a run's folder, its newest step (the method of a run's
+    checkpoints is one)."""
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = checkpoint_steps(folder)
+    return path if (path / MANIFEST).is_file() or not steps else steps[-1][1]
+
+
+def check_targets(job: JobConfig) -> dict[str, torch.Size]:
+    """Every pattern names a linear layer of the blocks, and the rank fits each layer it names;
+    returns the weight shapes of the layers the patterns name."""
     peft, spec = job.peft, family(job.model.family)
     model = build_model(job.model, device="meta")
     layers = targets(model, ["*"], spec.blocks)
@@ -85,14 +135,19 @@ def check_targets(job: JobConfig) -> None:
                               f"model.family={job.model.family}'s blocks (theirs: {kinds}, as "
                               "layers.0.attention.wq)")
     patterns = peft.target_modules or list(spec.lora_targets)
-    for name in targets(model, patterns, spec.blocks):
-        layer = model.get_submodule(name)
-        width = min(layer.in_features, layer.out_features)
-        if peft.rank > width:
+    shapes = {name: model.get_submodule(name).weight.shape
+              for name in targets(model, patterns, spec.blocks)}
+    for name, (out_features, in_features) in shapes.items():
+        if peft.rank > min(in_features, out_features):
             raise ConfigError(f"peft.rank={peft.rank} is above the width of {name} "
-                              f"({layer.in_features} -> {layer.out_features}): choose at most "
-                              f"{width}")
+                              f"({in_features} -> {out_features}): choose at most "
+                              f"{min(in_features, out_features)}")
+    return shapes
 
 
 def _listed(pattern: str | tuple[str, ...]) -> tuple[str, ...]:
     return pattern if isinstance(pattern, tuple) else (pattern,)
+
+
+def _kinds(layers) -> str:
+    return ", ".join(sorted({name.rpartition(".")[2] for name in layers}))
