@@ -187,11 +187,14 @@ def print_ranking(rows: list[dict]) -> None:
 def format_plan(plan, job) -> str:
     from trainer.optim.spec import optimizer_of
     from trainer.plan import GIB
+    from trainer.plan.search import cp_split
 
     d = plan.dims
     t = job.training
     degrees = " ".join(f"{k}={getattr(d, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp",
                                                         "tp", "ep"))
+    if d.cp > 1:
+        degrees += f" | cp {cp_split(job.parallel.cp_method, d.cp_ulysses if d.cp_ring > 1 else 1)}"
     lines = [
         f"{job.model.name} on {plan.world_size} x {plan.device.name} ({plan.device.memory_gib:.0f} "
         f"GiB each) | {degrees}",

@@ -372,6 +372,14 @@ MISTAKES = {
     "LoRA adapters resumed as a full fine-tune": (
         lambda p: [f"checkpoint.resume={lora_checkpoint(p)}"],
         r"checkpoint.resume=.*lora holds LoRA adapters on a frozen base"),
+    # Ulysses context parallel
+    "a Ulysses degree that does not divide the heads": (
+        lambda p: ["parallel.cp=3", "parallel.cp_method=ulysses", "training.seq_len=48"],
+        r"parallel.cp=3 must divide the attention heads it splits, model.n_heads=16; nearest that "
+        r"work: parallel.cp=2 or parallel.cp=4"),
+    "a hybrid split that does not divide cp": (
+        lambda p: ["parallel.cp=2", "parallel.cp_ulysses=4"],
+        r"parallel.cp_ulysses=4 must divide parallel.cp=2"),
     "initial not a model": (lambda p: [f"checkpoint.initial={p}"],
                             r"checkpoint.initial=.* is neither a Hugging Face model"),
 }

@@ -97,6 +97,11 @@ RESHARDING = {
                              (2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL))],
     "mixtral_fsdp2_to_ep2_tp2": [(2, ("+recipe=mixtral_ep", "parallel.ep=1", *MIXTRAL)),
                                  (4, ("+recipe=mixtral_ep2_tp2", *MIXTRAL))],
+    # Ring context parallel to Ulysses (FSDP over dp_shard x cp in both: the data's layout in a
+    # step is the method's own).
+    "llama_cp2_ring_to_cp2_ulysses": [(2, ("+recipe=llama_cp2", *LLAMA)),
+                                      (2, ("+recipe=llama_cp2", *LLAMA,
+                                           "parallel.cp_method=ulysses"))],
     # Muon's momentum buffers: sharded like the weights under FSDP, split by tensor parallel after.
     "llama_muon_fsdp2_to_tp2": [(2, ("+recipe=llama_fsdp", *LLAMA, "optim=muon")),
                                 (2, ("+recipe=llama_tp2", *LLAMA, "optim=muon"))],

@@ -20,20 +20,48 @@ def test_shard_sequence_gives_each_rank_an_early_and_a_late_chunk():
     assert torch.equal(shard_sequence(x, 0, 1), x)
 
 
-def _matches_full_attention(rank, cp, method, fused, documents=False):
-    if not fused:  # the exact math kernel, which devices without a fused one use
-        attention_kernels.KERNELS = {}
-    attention = ContextParallelAttention(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)),
-                                         method, documents)
+# (method, fused kernels, document masks, Ulysses degree or "all"): ulysses is Ulysses alone, the
+# others with a Ulysses degree are the hybrid (the method across Ulysses groups)
+CASES = [("ring", True, False, 1), ("ring", False, False, 1), ("allgather", True, False, 1),
+         ("ring", True, True, 1), ("allgather", True, True, 1), ("ulysses", True, False, "all"),
+         ("ulysses", False, True, "all"), ("ring", True, True, 2), ("allgather", True, False, 2)]
+
+
+def _meshes(cp: int, method: str, ulysses):
+    """The (ring, Ulysses) meshes ContextParallelAttention takes."""
+    if method == "ulysses":
+        return None, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    if ulysses == 1:
+        return init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), None
+    mesh = init_device_mesh("cpu", (cp // ulysses, ulysses), mesh_dim_names=("ring", "ulysses"))
+    return mesh["ring"], mesh["ulysses"]
+
+
+def _matches_full_attention(rank, cp):
+    kernels = attention_kernels.KERNELS
+    for method, fused, documents, ulysses in CASES:
+        if ulysses != "all" and cp % (2 * ulysses):
+            continue  # (a hybrid needs a ring of two or more)
+        # not fused: the exact math kernel, which devices without a fused one use
+        attention_kernels.KERNELS = kernels if fused else {}
+        attention = ContextParallelAttention(*_meshes(cp, method, ulysses), method, documents)
+        _check_against_full_attention(attention, rank, cp, documents,
+                                      f"{method} ulysses={ulysses} fused={fused} "
+                                      f"documents={documents} cp={cp} rank={rank}")
+
+
+def _check_against_full_attention(attention, rank, cp, documents, case):
     full_attention = CausalAttention()
     full_attention.within_documents = documents
-    for seq in (2 * cp, 16 * cp, 14 * cp):
+    for seq in (2 * cp, 14 * cp):
         for kv_heads in (4, 2, 1):  # multi-head, grouped-query, multi-query
             g = torch.Generator().manual_seed(seq + kv_heads)
+            # multi-head with values narrower than the keys, as DeepSeek-V3's MLA
+            width = 6 if kv_heads == 4 else 8
             q = torch.randn(2, 4, seq, 8, generator=g, requires_grad=True)
             k = torch.randn(2, kv_heads, seq, 8, generator=g, requires_grad=True)
-            v = torch.randn(2, kv_heads, seq, 8, generator=g, requires_grad=True)
-            grad_out = torch.randn(2, 4, seq, 8, generator=g)
+            v = torch.randn(2, kv_heads, seq, width, generator=g, requires_grad=True)
+            grad_out = torch.randn(2, 4, seq, width, generator=g)
             # Documents: token 0 (EOS) ends one, about one token in five.
             positions = document_positions(torch.randint(0, 5, (2, seq), generator=g), eos_id=0)
             expected = full_attention(q, k, v, positions)
@@ -45,8 +73,7 @@ def _matches_full_attention(rank, cp, method, fused, documents=False):
             q_local, k_local, v_local = (local(x).requires_grad_() for x in (q, k, v))
             out = attention(q_local, k_local, v_local, local(positions, dim=1))
             out.backward(local(grad_out))
-            where = (f"{method} fused={fused} documents={documents} cp={cp} seq={seq} "
-                     f"kv_heads={kv_heads} rank={rank}")
+            where = f"{case} seq={seq} kv_heads={kv_heads}"
             torch.testing.assert_close(out, local(expected), rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{where}: {m}")
             for name, mine, full in (("q", q_local, q), ("k", k_local, k), ("v", v_local, v)):
@@ -55,11 +82,9 @@ def _matches_full_attention(rank, cp, method, fused, documents=False):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("method, fused, documents", [
-    ("ring", True, False), ("ring", False, False), ("allgather", True, False), ("ring", True, True),
-    ("allgather", True, True),
-])
 @pytest.mark.multiprocess
-def test_attention_and_its_gradients_equal_full_attention(method, fused, documents, cp):
-    assert set(METHODS) == {"ring", "allgather"}
-    spawn(_matches_full_attention, cp, method, fused, documents)
+def test_attention_and_its_gradients_equal_full_attention(cp):
+    """Every method (ring, allgather, Ulysses, the hybrid), fused kernels and the math one, with and
+    without document masks, multi-head (narrow values too), grouped- and multi-query."""
+    assert set(METHODS) == {"ring", "allgather", "ulysses"}
+    spawn(_matches_full_attention, cp)

@@ -41,6 +41,13 @@ def test_rules_that_only_bind_with_the_feature_on():
     dims_for(4, cp=2, tp=2, sequence_parallel=False, training__seq_len=132)
 
 
+def test_ulysses_degree_is_all_of_cp_or_the_hybrids_inner_part():
+    assert dims_for(4, cp=4, cp_method="ulysses").cp_ulysses == 4
+    assert dims_for(4, cp=4).cp_ulysses == 1
+    hybrid = dims_for(8, cp=4, cp_ulysses=2)
+    assert (hybrid.cp_ring, hybrid.cp_ulysses, hybrid.dp_shard) == (2, 2, 2)
+
+
 def test_pipeline_degrees_are_derived_from_the_schedule():
     dims = dims_for(4, pp=2, pp_schedule="1f1b")
     assert (dims.pp_stages_per_rank, dims.pp_microbatches, dims.dp_shard) == (1, 2, 2)
@@ -101,7 +108,23 @@ def test_an_elastic_layout_follows_the_world_and_keeps_the_global_batch():
         (4, {"cp": 2, "training__seq_len": 130},
          r"parallel.cp=2 needs training.seq_len=130 divisible by 2\*cp=4"),
         (4, {"cp": 2, "cp_method": "flash"},
-         r"parallel.cp_method=flash is unknown; choose one of \['ring', 'allgather'\]"),
+         r"parallel.cp_method=flash is unknown; choose one of \['ring', 'allgather', 'ulysses'\]"),
+        # Ulysses splits the heads a tp rank holds (16 / tp 4 = 4 here); the hybrid's Ulysses part
+        # divides cp
+        (8, {"cp": 8, "cp_method": "ulysses", "model__n_heads": 12, "model__n_kv_heads": 4,
+             "model__dim": 384},
+         r"parallel.cp=8 must divide the attention heads it splits, model.n_heads=12; nearest "
+         r"that work: parallel.cp=6 or parallel.cp=12, or the hybrid parallel.cp_method=ring "
+         r"parallel.cp_ulysses=4"),
+        (8, {"cp": 2, "tp": 4, "cp_ulysses": 2, "model__n_heads": 4, "model__n_kv_heads": 4,
+             "model__dim": 256},
+         r"parallel.cp_ulysses=2 must divide the attention heads it splits, model.n_heads=4 / "
+         r"parallel.tp=4 = 1"),
+        (4, {"cp": 4, "cp_ulysses": 3}, r"parallel.cp_ulysses=3 must divide parallel.cp=4 \(cp = "
+         r"ring ranks x Ulysses ranks\)"),
+        (4, {"cp": 4, "cp_method": "ulysses", "cp_ulysses": 2},
+         r"parallel.cp_method=ulysses spans all parallel.cp=4 ranks, not parallel.cp_ulysses=2"),
+        (4, {"cp_ulysses": 2}, r"parallel.cp_ulysses=2 is the Ulysses part of parallel.cp=1"),
         (4, {"cp": 2, "tp": 2, "training__seq_len": 132},
          r"parallel.tp=2 x 2\*cp=4 must divide training.seq_len=132 when "
          r"parallel.sequence_parallel=true"),

@@ -102,6 +102,14 @@ LAYOUTS = {
     "cp2_ring_ac_selective": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
                                   "training.activation_checkpoint=selective"]),
     "cp2_hsdp2x1": (4, ["+recipe=llama_cp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    # Ulysses: compiled with selective checkpointing; with tensor parallel (the heads tp leaves)
+    # and pipeline stages; the hybrid, Ulysses pairs inside a ring of two.
+    "cp2_ulysses_ac_selective_compile": (2, ["+recipe=llama_cp2", "parallel.cp_method=ulysses",
+                                             "training.activation_checkpoint=selective",
+                                             "training.compile=true"]),
+    "cp2_ulysses_tp2_pp2": (8, ["+recipe=llama_tp2", "parallel.cp=2", "parallel.pp=2",
+                                "parallel.cp_method=ulysses"]),
+    "cp4_ring2_ulysses2": (4, ["+recipe=llama_cp2", "parallel.cp=4", "parallel.cp_ulysses=2"]),
     # dp_shard 2 x cp 2 x tp 2 x pp 2 (ring attention): every pair of these dimensions composed, so
     # no 4-rank row repeats a pair (pp with FSDP or tp, cp with FSDP, tp or pp) but tp with FSDP,
     # the common 2-D layout; the replicas (HSDP) compose in rows of their own above.
@@ -255,8 +263,10 @@ FAMILY_LAYOUTS = {
                                               "training.activation_checkpoint=selective"], ()),
     "deepseek_v3_ep2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep"], ()),
     "deepseek_v3_pp2": (DEEPSEEK_V3, 2, ["+recipe=mixtral_ep", "parallel.pp=2"], TWO_MICROBATCHES),
-    # Ring attention with values narrower than the keys.
-    "deepseek_v3_cp2": (DEEPSEEK_V3, 2, ["+recipe=llama_cp2"], ()),
+    # Ulysses splitting MLA's heads (the ring's values narrower than the keys, as MLA's:
+    # test_context_parallel).
+    "deepseek_v3_cp2_ulysses": (DEEPSEEK_V3, 2, ["+recipe=llama_cp2", "parallel.cp_method=ulysses"],
+                                ()),
 }
 
 

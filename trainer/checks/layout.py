@@ -54,7 +54,8 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: Train
         )
     _resolve_ep(degrees, model)
 
-    dims = ParallelDims(world_size=world_size, moe=n_experts(model) > 0, **degrees)
+    dims = ParallelDims(world_size=world_size, moe=n_experts(model) > 0, **degrees,
+                        cp_ulysses=ulysses_degree(parallel, degrees["cp"]))
     if training.micro_batch_size is not None:
         dims.grad_accum_steps = _grad_accum_steps(training, dims.dp)
     else:
@@ -69,6 +70,40 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, training: Train
     if dims.pp_enabled:
         _set_pipeline_microbatches(dims, parallel, training.global_batch_size // per_step)
     return dims
+
+
+def ulysses_degree(parallel: ParallelConfig, cp: int) -> int:
+    """The Ulysses part of `cp`: all of it for cp_method=ulysses, else parallel.cp_ulysses."""
+    return cp if parallel.cp_method == "ulysses" else parallel.cp_ulysses
+
+
+def _check_ulysses(parallel: ParallelConfig, model: ModelConfig, cp: int, tp: int) -> None:
+    """Ulysses splits the heads each tp rank holds over its ranks; a hybrid's Ulysses part divides
+    cp."""
+    u = ulysses_degree(parallel, cp)
+    if parallel.cp_method == "ulysses" and parallel.cp_ulysses not in (1, cp):
+        raise ConfigError(f"parallel.cp_method=ulysses spans all parallel.cp={cp} ranks, not "
+                          f"parallel.cp_ulysses={parallel.cp_ulysses}: for the hybrid set "
+                          f"parallel.cp_method=ring parallel.cp_ulysses={parallel.cp_ulysses}")
+    if cp % u:
+        raise ConfigError(f"parallel.cp_ulysses={u} must divide parallel.cp={cp} (cp = ring ranks "
+                          "x Ulysses ranks)")
+    heads = model.n_heads // tp
+    if u > 1 and heads % u:
+        split = f"model.n_heads={model.n_heads}" + (f" / parallel.tp={tp} = {heads}" if tp > 1
+                                                   else "")
+        hybrid = max(d for d in range(1, u) if cp % d == 0 and heads % d == 0)
+        if parallel.cp_method == "ulysses":
+            near = [d for d in range(2, heads + 1) if heads % d == 0]
+            degrees = [max([1, *(d for d in near if d < u)]), *(d for d in near if d > u)][:2]
+            fix = (" or ".join(f"parallel.cp={d}" for d in degrees) + ", or "
+                   + ("parallel.cp_method=ring" if hybrid == 1 else
+                      f"the hybrid parallel.cp_method=ring parallel.cp_ulysses={hybrid}"))
+        else:
+            fix = f"parallel.cp_ulysses={hybrid}"
+        key = "parallel.cp" if parallel.cp_method == "ulysses" else "parallel.cp_ulysses"
+        raise ConfigError(f"{key}={u} must divide the attention heads it splits, {split}; "
+                          f"nearest that work: {fix}")
 
 
 def _set_pipeline_microbatches(dims: ParallelDims, parallel: ParallelConfig, batch: int) -> None:
@@ -108,11 +143,15 @@ def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConf
         if parallel.cp_method not in CP_METHODS:
             raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of "
                               f"{list(CP_METHODS)}")
+        _check_ulysses(parallel, model, cp, tp)
         # Each cp rank holds two chunks of the sequence (load balancing, see context_parallel.py).
         if training.seq_len % (2 * cp):
             raise ConfigError(f"parallel.cp={cp} needs training.seq_len={training.seq_len} "
                               f"divisible by 2*cp={2 * cp}: each cp rank holds two equal chunks of "
                               "the sequence")
+    if cp == 1 and parallel.cp_ulysses > 1:
+        raise ConfigError(f"parallel.cp_ulysses={parallel.cp_ulysses} is the Ulysses part of "
+                          f"parallel.cp={cp}: set parallel.cp to a multiple of it")
     if training.seq_len > model.max_seq_len:
         raise ConfigError(f"training.seq_len={training.seq_len} must not exceed "
                           f"model.max_seq_len={model.max_seq_len} (set training.seq_len; "

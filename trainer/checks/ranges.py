@@ -38,6 +38,7 @@ RANGES = {
     "model.rope_scaling.factor": ("must be >= 1", _at_least_one),
     "model.rope_scaling.original_max_seq_len": ("must be >= 1", _at_least_one),
     "parallel.pp_microbatches": ("must be >= 1", _at_least_one),
+    "parallel.cp_ulysses": ("must be >= 1", _at_least_one),
     **{f"training.{key}": ("must be >= 1", _at_least_one)
        for key in ("steps", "seq_len", "global_batch_size")},
     "training.lr": ("must be >= 0", _not_negative),

@@ -83,8 +83,12 @@ class ParallelConfig:
     # An explicit split overriding the balanced one: module names per stage, e.g.
     # [[tok_embeddings, layers.0, ...], [..., layers.7, norm, output]].
     pp_stage_modules: Optional[List[List[str]]] = None
-    # How attention spans the cp ranks: ring (K/V passed around, O(seq/cp) memory) | allgather.
+    # How attention spans the cp ranks: ring (K/V passed around, O(seq/cp) memory) | allgather |
+    # ulysses (all-to-all: the whole sequence for 1/cp of the heads).
     cp_method: str = "ring"
+    # The hybrid: Ulysses over groups of this many neighbouring cp ranks, cp_method (ring or
+    # allgather) across the groups. 1: no Ulysses; cp_method=ulysses: all of cp.
+    cp_ulysses: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
 

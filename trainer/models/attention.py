@@ -27,6 +27,7 @@ within documents: 0.63 s against 0.89 s forward and backward, at batch 4, 16 hea
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import torch
@@ -64,6 +65,13 @@ def attention(q, k, v, causal: bool = True, mask: Mask | None = None) -> torch.T
     if name == "flex":
         return _flex(q, k, v, causal, mask)  # takes values of their own width
     return _Attention.apply(q, k, v, causal, mask, name)
+
+
+def kv_copies(kv_heads: int, u: int) -> int:
+    """How many times grouped-query attention's key/value heads are repeated so that u ranks each
+    take whole ones: lcm(kv_heads, u) / kv_heads (1 when u divides them). Each copy sends the keys
+    and values again."""
+    return math.lcm(kv_heads, u) // kv_heads
 
 
 def block_forward(q, k, v, causal: bool,
@@ -180,10 +188,16 @@ class CausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.within_documents:
-            return attention(q, k, v, causal=True)
-        index = torch.arange(q.shape[2], device=q.device)
-        return attention(q, k, v, causal=True, mask=Mask(index, index, index - positions))
+        return causal_attention(q, k, v, positions if self.within_documents else None)
+
+
+def causal_attention(q, k, v, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over a whole sequence; with `positions` [batch, seq] (each token's position
+    in its document) within each document."""
+    if positions is None:
+        return attention(q, k, v, causal=True)
+    index = torch.arange(q.shape[2], device=q.device)
+    return attention(q, k, v, causal=True, mask=Mask(index, index, index - positions))
 
 
 def attend_within_documents(model: nn.Module) -> None:

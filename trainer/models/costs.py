@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config.schema import ModelConfig
+from trainer.models.attention import kv_copies
 from trainer.models.decoder import head_width
 from trainer.models.moe_config import MoEConfig
 
@@ -27,6 +28,7 @@ class Shapes:
     loss_parallel: bool
     cp_method: str
     act_bytes: int  # bytes per element of activations (the compute dtype)
+    cp_ulysses: int = 1  # of cp, the ranks of a Ulysses group (cp_ring = cp / cp_ulysses)
     expert_load: float = 1.0  # the slots this rank's experts take, over an even share
     # tokens per chunk of the output head and loss (None: all at once)
     loss_chunk: int | None = None
@@ -34,6 +36,15 @@ class Shapes:
     # region of their own (the spec's checkpoint_regions),
     # so what flows between the regions is kept.
     experts_apart: bool = False
+
+    @property
+    def cp_ring(self) -> int:
+        return self.cp // self.cp_ulysses
+
+    def kv_copies(self, kv_heads: int) -> int:
+        """How many times Ulysses repeats each of a rank's `kv_heads` key/value heads (its
+        group's ranks take whole ones); 1 without Ulysses."""
+        return kv_copies(kv_heads // self.tp, self.cp_ulysses) if self.cp_ulysses > 1 else 1
 
     @property
     def stream_tokens(self) -> int:
@@ -75,8 +86,13 @@ class Costs:
         raise NotImplementedError
 
     def context_bytes(self, s: Shapes) -> float:
-        """What context parallel passes between ranks per block and microbatch: the rank's keys and
-        values."""
+        """What ring context parallel passes between ranks per block and microbatch: the keys and
+        values a ring rank holds (under the hybrid, its Ulysses group's sequence for its heads)."""
+        return 0.0
+
+    def ulysses_bytes(self, s: Shapes) -> float:
+        """What Ulysses' all-to-alls send from a rank per block forward and microbatch: q, k and v
+        (key/value heads repeated as needed) and the output, all but the rank's own share."""
         return 0.0
 
     def expert_bytes(self, s: Shapes) -> float:
@@ -108,8 +124,13 @@ def gqa_saved(s: Shapes, head_dim: int) -> tuple[float, float]:
     # Attention's output: the kernels lay it out [batch, seq, heads, head_dim], so the output
     # projection's input is a view of it.
     elements += q
-    if s.cp > 1 and s.cp_method == "allgather":
-        elements += 2 * kv * s.cp  # the gathered keys and values
+    copies = s.kv_copies(m.n_kv_heads)
+    if s.cp_ulysses > 1:
+        # The output's copy back in sequence slices (the projection's input); keys and values
+        # held repeated.
+        elements += q + 2 * kv * (copies - 1)
+    if s.cp_ring > 1 and s.cp_method == "allgather":
+        elements += 2 * kv * copies * s.cp_ring  # the gathered keys and values
     # Attention's log-sum-exp, the rotary cos and sin, the norms' scales.
     return elements, t * m.n_heads // tp + 2 * t * head_dim + 2 * s.stream_tokens
 
@@ -138,7 +159,19 @@ def matmuls_kept(outputs: list[float], policy: str) -> float:
 
 
 def gqa_context_bytes(s: Shapes, head_dim: int) -> float:
-    return 2 * s.tokens * s.model.n_kv_heads * head_dim // s.tp * s.act_bytes
+    kv = s.model.n_kv_heads
+    return 2 * s.tokens * kv * s.kv_copies(kv) * head_dim // s.tp * s.act_bytes
+
+
+def ulysses_sent(s: Shapes, q_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> float:
+    """Bytes a rank's all-to-alls send per block forward: q and the output (`q_heads`), k and v
+    (`kv_heads`, repeated as needed), all but the rank's own 1/u."""
+    u = s.cp_ulysses
+    if u == 1:
+        return 0.0
+    kv = kv_heads * s.kv_copies(kv_heads)
+    elements = s.tokens * (q_heads * (qk_dim + v_dim) + kv * (qk_dim + v_dim)) // s.tp
+    return elements * (u - 1) / u * s.act_bytes
 
 
 def lse_bytes(s: Shapes) -> float:
@@ -258,6 +291,10 @@ class DecoderCosts(Costs):
 
     def context_bytes(self, s: Shapes) -> float:
         return gqa_context_bytes(s, head_width(s.model))
+
+    def ulysses_bytes(self, s: Shapes) -> float:
+        head = head_width(s.model)
+        return ulysses_sent(s, s.model.n_heads, s.model.n_kv_heads, head, head)
 
     def expert_bytes(self, s: Shapes) -> float:
         if not isinstance(s.model, MoEConfig):

@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
             plan = lora_tp_plan(model, plan)
         apply_tp(model, dims.view("tp"), float8_tp_plan(model, plan) if options.float8_tp else plan)
     if dims.cp_enabled:
-        apply_cp(model, dims.view("cp"), options.cp_method)
+        apply_cp(model, *dims.cp_meshes(), options.cp_method)
     parallelize_moe(model, dims)
     apply_activation_checkpoint(blocks, options.activation_checkpoint,
                                 options.activation_checkpoint_every,

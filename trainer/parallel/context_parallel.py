@@ -8,12 +8,18 @@ one of each and the same work. Every rank's inputs, labels and RoPE positions ar
 way (`shard_sequence`); positions stay the global ones (or, with data.document_mask, each token's
 position in its document, from which both methods also mask the keys before a query's document).
 
-Two attention methods (`parallel.cp_method`), both exact:
+Three attention methods (`parallel.cp_method`), all exact:
+- ulysses: an all-to-all gives each rank the whole sequence for 1/cp of the heads, attention
+  runs there unsplit, and another brings the output back (trainer/parallel/ulysses.py). A fixed
+  transfer per layer whatever the sequence; the heads must split over the ranks.
 - allgather: all-gather K and V; each local query chunk attends to the keys up to its end under
   the global causal mask. Simple, but holds the whole sequence's K and V.
 - ring: K/V blocks travel around the ring while each rank attends to the block it holds; the
   partial outputs merge by their log-sum-exp. Backward passes the blocks around again with their
   dK/dV. K/V memory per rank stays O(seq/cp).
+
+The hybrid (`parallel.cp_ulysses` = u < cp): Ulysses within groups of u neighbouring cp ranks,
+ring (or all-gather) across the cp/u groups.
 """
 
 from __future__ import annotations
@@ -24,9 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.models.attention import CausalAttention, Mask, attention, block_backward, block_forward
+from trainer.models.attention import (
+    CausalAttention,
+    Mask,
+    attention,
+    block_backward,
+    block_forward,
+    causal_attention,
+    kv_copies,
+)
+from trainer.parallel.ulysses import gather_positions, to_heads, to_sequence
 
-METHODS = ("ring", "allgather")
+METHODS = ("ring", "allgather", "ulysses")
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
@@ -47,14 +62,16 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, cp_rank: int, cp: in
     return tuple(shard_sequence(x, cp_rank, cp) for x in (inputs, labels, positions))
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
+def apply_cp(model: nn.Module, ring: DeviceMesh | None, ulysses: DeviceMesh | None,
+             method: str) -> None:
     """Every attention kernel module (CausalAttention, whatever family holds it) becomes the
-    context-parallel one."""
+    context-parallel one: Ulysses over `ulysses` (None: none), then `method` (ring or allgather)
+    over `ring` (None: none)."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, CausalAttention):
-                setattr(parent, name,
-                        ContextParallelAttention(cp_mesh, method, child.within_documents))
+                setattr(parent, name, ContextParallelAttention(ring, ulysses, method,
+                                                               child.within_documents))
 
 
 class ContextParallelAttention(nn.Module):
@@ -62,18 +79,39 @@ class ContextParallelAttention(nn.Module):
     [batch, heads, 2*chunk, head_dim] (values may be narrower), held in the load-balanced layout.
     Grouped-query attention: q may have a multiple of k's and v's heads. With `within_documents` the
     local `positions` count from each query's document start (data.document_mask) and keys before it
-    are masked."""
+    are masked.
 
-    def __init__(self, cp_mesh: DeviceMesh, method: str, within_documents: bool = False):
+    With a Ulysses group, an all-to-all first gives each of its ranks the group's sequence for its
+    share of the heads (key/value heads repeated when the group outnumbers them); the ring (or
+    all-gather) then spans the groups, or, with no ring, attention is an ordinary causal one."""
+
+    def __init__(self, ring: DeviceMesh | None, ulysses: DeviceMesh | None, method: str,
+                 within_documents: bool = False):
         super().__init__()
-        self.group = cp_mesh.get_group()
+        self.group = None if ring is None else ring.get_group()
+        self.ulysses = None if ulysses is None else ulysses.get_group()
         self.method = method
         self.within_documents = within_documents
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        positions = positions if self.within_documents else None
+        if self.ulysses is None:
+            return self._attend(q, k, v, positions)
+        copies = kv_copies(k.shape[1], dist.get_world_size(self.ulysses))
+        if copies > 1:
+            k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+        q, k, v = to_heads([q, k, v], self.ulysses)
+        if positions is not None:
+            positions = gather_positions(positions, self.ulysses)
+        return to_sequence(self._attend(q, k, v, positions), self.ulysses)
+
+    def _attend(self, q, k, v, positions: torch.Tensor | None) -> torch.Tensor:
+        """Attention over the ring's ranks (the whole sequence here when there is no ring)."""
+        if self.group is None:
+            return causal_attention(q, k, v, positions)
         starts = None
-        if self.within_documents:
+        if positions is not None:
             rank, cp = dist.get_rank(self.group), dist.get_world_size(self.group)
             # The global index at which each local query's document starts [batch, seq].
             starts = _global_positions(q.shape[2], rank, cp, q.device) - positions
@@ -86,7 +124,9 @@ class ContextParallelAttention(nn.Module):
         return _allgather_attention(q, k, v, self.group, starts)[..., :width]
 
     def extra_repr(self) -> str:
-        return f"method={self.method}, cp={dist.get_world_size(self.group)}"
+        ring = 1 if self.group is None else dist.get_world_size(self.group)
+        ulysses = 1 if self.ulysses is None else dist.get_world_size(self.ulysses)
+        return f"method={self.method}, ring={ring}, ulysses={ulysses}"
 
 
 def _global_positions(seq: int, cp_rank: int, cp: int, device) -> torch.Tensor:

@@ -47,6 +47,8 @@ class ParallelDims:
     # Derived from the schedule and the batch (see pipeline.py); 1 without pipeline parallel.
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 1
+    # The Ulysses part of cp (cp = cp_ring * cp_ulysses; the Ulysses ranks neighbours).
+    cp_ulysses: int = 1
     # Forward-backward passes per optimizer step on each data-parallel rank:
     # training.grad_accum_steps, or derived from training.micro_batch_size and the global batch.
     grad_accum_steps: int = 1
@@ -72,6 +74,10 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def cp_ring(self) -> int:
+        return self.cp // self.cp_ulysses
 
     @property
     def tp_enabled(self) -> bool:
@@ -100,6 +106,11 @@ class ParallelDims:
         self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
         # torch wants flattened views kept by whoever made them, not sliced again from the root.
         self._views = {name: _flatten(self._mesh[dims], name) for name, dims in FLAT_VIEWS.items()}
+        if 1 < self.cp_ulysses < self.cp:
+            # The hybrid: cp split into (ring, Ulysses), Ulysses inner (its ranks neighbours).
+            split = _unflatten(self._mesh["cp"], (self.cp_ring, self.cp_ulysses),
+                               ("cp_ring", "cp_ulysses"))
+            self._views |= {"cp_ring": split["cp_ring"], "cp_ulysses": split["cp_ulysses"]}
         if self.tp_enabled and self.dp_shard * self.cp > 1:
             name, dims = FSDP_TP_VIEW
             self._views[name] = _flatten(self._mesh[dims], name)
@@ -149,6 +160,14 @@ class ParallelDims:
             if set(dist.get_process_group_ranks(group)) == set(ranks):
                 return group
         return None
+
+    def cp_meshes(self) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+        """The (ring, Ulysses) meshes of context parallel's attention, None where that part has
+        one rank."""
+        if self.cp_ring == 1 or self.cp_ulysses == 1:
+            whole = self.view("cp")
+            return (None, whole) if self.cp_ring == 1 else (whole, None)
+        return self.view("cp_ring"), self.view("cp_ulysses")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:

@@ -73,8 +73,8 @@ class Plan:
             "world_size": self.world_size,
             "device": self.device.name,
             "device_memory_gib": self.device.memory_gib,
-            "layout": {k: getattr(d, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp",
-                                                  "ep")},
+            "layout": {k: getattr(d, k) for k in ("pp", "dp_replicate", "dp_shard", "cp",
+                                                  "cp_ulysses", "tp", "ep")},
             "fits": self.fits,
             "peak_gib": self.peak / GIB,
             "step_time_s": self.time.step_s,
@@ -132,8 +132,8 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
     shapes = Shapes(
         model=m, tokens=per_microbatch * t.seq_len // dims.cp, tp=dims.tp, cp=dims.cp,
         sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-        act_bytes=act_bytes, expert_load=expert_load, loss_chunk=t.loss_chunk_tokens,
-        experts_apart=dims.ep_enabled,
+        cp_ulysses=dims.cp_ulysses, act_bytes=act_bytes, expert_load=expert_load,
+        loss_chunk=t.loss_chunk_tokens, experts_apart=dims.ep_enabled,
     )
     schedule = p.pp_schedule if dims.pp_enabled else None
     f8 = t.float8.recipe if t.float8.enabled else None
@@ -198,6 +198,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         grad_bytes=sum(u.trained_gathered for u in units) * FP32,
         sharded_grad_bytes=sum(u.trained for u in units) * FP32,
         act_stream_bytes=stream, kv_bytes=costs.context_bytes(shapes),
+        ulysses_bytes=costs.ulysses_bytes(shapes),
         expert_bytes=costs.expert_bytes(shapes),
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
         microbatches_per_rank=dims.grad_accum_steps * dims.pp_microbatches * len(busiest),

@@ -88,8 +88,9 @@ def calibrate(job: JobConfig, world: int, device: Device,
     return device, runs
 
 
-DEGREES = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp",
-           "parallel.pp", "parallel.ep", "parallel.pp_schedule")
+DEGREES = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.cp_method",
+           "parallel.cp_ulysses", "parallel.tp", "parallel.pp", "parallel.ep",
+           "parallel.pp_schedule")
 
 
 def distinct_layouts(results: list[tuple]) -> list[tuple]:

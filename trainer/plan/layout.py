@@ -94,8 +94,8 @@ def holdings(job: JobConfig, dims: ParallelDims) -> list[list[StageHoldings]]:
     splits no parameter)."""
     fsdp = dims.dp_shard * dims.cp
     parallel = dataclasses.replace(job.parallel, pp_microbatches=None, dp_replicate=1,
-                                   dp_shard=fsdp, cp=1)
-    replica = dataclasses.replace(dims, dp_replicate=1, dp_shard=fsdp, cp=1,
+                                   dp_shard=fsdp, cp=1, cp_method="ring", cp_ulysses=1)
+    replica = dataclasses.replace(dims, dp_replicate=1, dp_shard=fsdp, cp=1, cp_ulysses=1,
                                   world_size=dims.world_size // dims.dp_replicate)
     # What a rank holds depends on the model and the layout, not on batch or microbatches.
     key = repr((job.model, job.optim, job.peft, parallel, replica.shape, replica.ep,

@@ -44,15 +44,27 @@ def candidates(job: JobConfig, gpus: int, device: Device):
                     schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
                     for schedule, per_rank in schedules:
                         for ep in _powers_of_two(n_experts(m)) if n_experts(m) else [1]:
-                            for ac in AC_MODES:
-                                overrides = {"parallel.tp": tp, "parallel.cp": cp,
-                                             "parallel.pp": pp,
-                                             "parallel.dp_replicate": dp_replicate,
-                                             "parallel.dp_shard": dp // dp_replicate,
-                                             "parallel.ep": ep, "parallel.pp_schedule": schedule,
-                                             "parallel.pp_stages_per_rank": per_rank if pp > 1
-                                             else None, "training.activation_checkpoint": ac}
-                                yield overrides
+                            for method, ulysses in cp_methods(cp, device.per_node // tp):
+                                for ac in AC_MODES:
+                                    yield {"parallel.tp": tp, "parallel.cp": cp,
+                                           "parallel.cp_method": method,
+                                           "parallel.cp_ulysses": ulysses,
+                                           "parallel.pp": pp,
+                                           "parallel.dp_replicate": dp_replicate,
+                                           "parallel.dp_shard": dp // dp_replicate,
+                                           "parallel.ep": ep, "parallel.pp_schedule": schedule,
+                                           "parallel.pp_stages_per_rank": per_rank if pp > 1
+                                           else None, "training.activation_checkpoint": ac}
+
+
+def cp_methods(cp: int, within: int) -> list[tuple[str, int]]:
+    """(parallel.cp_method, parallel.cp_ulysses) of context parallel over `cp` ranks: the ring, and
+    Ulysses over up to `within` ranks (a node's, beside tp's: its all-to-alls want the fast links),
+    alone or as the inner part of a hybrid. (All-gather holds every key and value: never ahead.)"""
+    if cp == 1:
+        return [("ring", 1)]
+    hybrids = [("ring", u) for u in _powers_of_two(min(cp // 2, within)) if u > 1]
+    return [("ring", 1), *hybrids, *([("ulysses", 1)] if cp <= within else [])]
 
 
 def apply_overrides(job: JobConfig, overrides: dict) -> JobConfig:
@@ -195,10 +207,19 @@ def describe_overrides(overrides: dict) -> str:
     for key, value in overrides.items():
         if key == "parallel.pp_stages_per_rank" or (key == "parallel.ep" and value == 1):
             continue
+        if key in ("parallel.cp_method", "parallel.cp_ulysses"):
+            if key == "parallel.cp_method" and overrides["parallel.cp"] > 1:
+                parts[-1] += f"({cp_split(value, overrides['parallel.cp_ulysses'])})"
+            continue
         if key == "parallel.pp_schedule" and overrides["parallel.pp"] == 1:
             continue
         parts.append(f"{short[key]}={value}")
     return " ".join(parts)
+
+
+def cp_split(method: str, ulysses: int) -> str:
+    """How context parallel spans its ranks, in a word or two: ring, ulysses, ring x ulysses 4."""
+    return method if ulysses == 1 else f"{method} x ulysses {ulysses}"
 
 
 def format_search(results: list[tuple[Plan, dict]], job: JobConfig, gpus: int,

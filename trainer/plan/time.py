@@ -70,6 +70,7 @@ def optimizer_seconds(device: Device, flops: float, tflops: float, share: float,
 def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims,
               gathered_bytes: float, grad_bytes: float, sharded_grad_bytes: float,
               act_stream_bytes: float, kv_bytes: float, expert_bytes: float, layers_per_rank: float,
+              ulysses_bytes: float = 0.0,
               microbatches_per_rank: int, recompute: float, selective: bool, schedule: str | None,
               per_rank_stages: int, n_microbatches: int, moe: bool = False,
               optimizer_flops: float = 0.0, optimizer_tflops: float = 0.0,
@@ -108,9 +109,8 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     # checkpointing, which keeps what was reduce-scattered).
     tp_ops = (8 + 4 * recompute + (2 if selective else 0)) * passes
     tp_s = ring_seconds(act_stream_bytes, tp, link_gbps(device, 1, tp)) * tp_ops
-    # Ring attention: K/V go round once forward and with their gradients once backward.
-    cp_s = (3 * (cp - 1) * kv_bytes * passes / (link_gbps(device, tp, cp) * 1e9) / 2 if cp > 1
-            else 0.0)
+    cp_s = cp_seconds(device, dims, kv_bytes, ulysses_bytes, passes,
+                      2 + recompute + (1 if selective else 0))
     ep = dims.ep
     # Tokens to their experts and back, forward and backward.
     ep_s = ring_seconds(expert_bytes, ep, link_gbps(device, tp, ep)) * 4 * passes if ep > 1 else 0.0
@@ -127,6 +127,22 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s + optimizer_s
     return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, optimizer_s, bubble,
                     exposed / (1 - bubble))
+
+
+def cp_seconds(device: Device, dims, kv_bytes: float, ulysses_bytes: float, passes: float,
+               rounds: float) -> float:
+    """Context parallel's transfers in `passes` block passes. The ring (or all-gather): K/V go round
+    once forward and with their gradients once backward. Ulysses (the inner cp ranks): its
+    all-to-alls `rounds` times (forward, backward, and a recomputed forward: selective
+    checkpointing recomputes them too, they are not among what it keeps)."""
+    ring, ulysses = dims.cp // dims.cp_ulysses, dims.cp_ulysses
+    seconds = 0.0
+    if ring > 1:
+        link = link_gbps(device, dims.tp * ulysses, ring)
+        seconds += 3 * (ring - 1) * kv_bytes * passes / (link * 1e9) / 2
+    if ulysses > 1:
+        seconds += ulysses_bytes * rounds * passes / (link_gbps(device, dims.tp, ulysses) * 1e9)
+    return seconds
 
 
 def pipeline_bubble(schedule: str, pp: int, per_rank: int, n_microbatches: int) -> float:

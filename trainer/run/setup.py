@@ -24,7 +24,12 @@ from trainer.float8 import describe as describe_float8
 from trainer.models import family
 from trainer.models.moe_config import n_experts
 from trainer.models.nf4 import stored_bytes
-from trainer.observe.describe import describe_layout, describe_lora, describe_share
+from trainer.observe.describe import (
+    describe_layout,
+    describe_lora,
+    describe_share,
+    describe_ulysses,
+)
 from trainer.observe.health import RankHealth
 from trainer.observe.measured_memory import MemoryFigures
 from trainer.observe.memory_snapshot import MemorySnapshot, known_tensors
@@ -60,7 +65,7 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     param_mib = describe_model(model, dims, log)
     if predicted is not None:
         log(f"plan: predicted peak {predicted / 2**30:.2f} GiB of tensors on rank 0")
-    describe_features(job, options, model_parts, log if rank == 0 else None)
+    describe_features(job, dims, options, model_parts, log if rank == 0 else None)
     passes = make_passes(job, dims, device, model_parts, stages, watchdog.phase)
     optimizer = build_optimizer(model, job.optim, t.lr, t.weight_decay, family(job.model.family),
                                 dims.group_spanning, device)
@@ -202,10 +207,14 @@ def build_data(job: JobConfig, dims: ParallelDims, dataset, val_dataset,
                     ft.replica_group if ft.enabled else 0)
 
 
-def describe_features(job: JobConfig, options, model_parts: list, log) -> None:
-    """The start-up lines of LoRA and float8 (rank 0: `log` given)."""
+def describe_features(job: JobConfig, dims: ParallelDims, options, model_parts: list,
+                      log) -> None:
+    """The start-up lines of Ulysses' repeated key/value heads, LoRA and float8 (rank 0: `log`
+    given)."""
     if log is None:
         return
+    if (ulysses := describe_ulysses(job.model, dims)) is not None:
+        log(ulysses)
     if options.lora is not None:
         log(describe_lora(job.model, options.lora))
     f8 = float8_of(job.training)

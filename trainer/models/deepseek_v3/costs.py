@@ -14,6 +14,7 @@ from trainer.models.costs import (
     moe_slots,
     scores_flops,
     swiglu_saved,
+    ulysses_sent,
 )
 from trainer.models.deepseek_v3.model import DeepseekV3Config
 
@@ -97,6 +98,11 @@ class DeepseekV3Costs(Costs):
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         return 2 * s.tokens * m.n_heads * qk // s.tp * s.act_bytes
 
+    def ulysses_bytes(self, s: Shapes) -> float:
+        m = s.model
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        return ulysses_sent(s, m.n_heads, m.n_heads, qk, m.v_head_dim)
+
     def expert_bytes(self, s: Shapes) -> float:
         return s.tokens * s.model.top_k * s.model.dim * s.act_bytes
 
@@ -115,7 +121,9 @@ class DeepseekV3Costs(Costs):
         elements += t * (m.kv_lora_rank + rope) + t * m.kv_lora_rank
         fp32 += t
         elements += t * heads * (2 * qk + 2 * m.v_head_dim) // tp  # q, k, v and attention's output
-        if s.cp > 1 and s.cp_method == "allgather":
-            elements += 2 * t * heads * qk // tp * s.cp  # the gathered keys and (padded) values
+        if s.cp_ulysses > 1:  # the output's copy back in sequence slices
+            elements += t * heads * m.v_head_dim // tp
+        if s.cp_ring > 1 and s.cp_method == "allgather":  # the gathered keys and (padded) values
+            elements += 2 * t * heads * qk // tp * s.cp_ring
         # Attention's log-sum-exp; the rotary cos and sin.
         return elements, fp32 + t * heads // tp + 2 * t * rope
