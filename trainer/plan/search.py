@@ -207,13 +207,14 @@ def describe_overrides(overrides: dict) -> str:
     for key, value in overrides.items():
         if key == "parallel.pp_stages_per_rank" or (key == "parallel.ep" and value == 1):
             continue
-        if key in ("parallel.cp_method", "parallel.cp_ulysses"):
-            if key == "parallel.cp_method" and overrides["parallel.cp"] > 1:
-                parts[-1] += f"({cp_split(value, overrides['parallel.cp_ulysses'])})"
+        if key in ("parallel.cp_method", "parallel.cp_ulysses") or (
+                key == "parallel.pp_schedule" and overrides["parallel.pp"] == 1):
             continue
-        if key == "parallel.pp_schedule" and overrides["parallel.pp"] == 1:
-            continue
-        parts.append(f"{short[key]}={value}")
+        split = ""  # how cp spans its ranks, said beside it
+        if key == "parallel.cp" and value > 1 and "parallel.cp_method" in overrides:
+            method, ulysses = overrides["parallel.cp_method"], overrides["parallel.cp_ulysses"]
+            split = f"({cp_split(method, ulysses)})"
+        parts.append(f"{short[key]}={value}{split}")
     return " ".join(parts)
 
 
