@@ -217,9 +217,9 @@ def format_plan(plan, job) -> str:
     lines += [
         "",
         f"peak {plan.peak / GIB:.1f} GiB of {usable:.1f} usable: {verdict}",
-        f"step {tm.step_s:.2f} s (compute {tm.compute_s:.2f}, fsdp {tm.fsdp_s:.2f} overlapped, tp "
-        f"{tm.tp_s:.2f}, cp {tm.cp_s:.2f}, ep {tm.ep_s:.2f}, pp {tm.pp_s:.2f}, bubble "
-        f"{100 * tm.bubble:.0f}%)",
+        f"step {tm.step_s:.2f} s (compute {tm.compute_s:.2f}, attention {tm.attention_s:.2f} of "
+        f"it, fsdp {tm.fsdp_s:.2f} overlapped, tp {tm.tp_s:.2f}, cp {tm.cp_s:.2f}, ep "
+        f"{tm.ep_s:.2f}, pp {tm.pp_s:.2f}, bubble {100 * tm.bubble:.0f}%)",
         f"{plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%",
     ]
     if tm.optimizer_s:

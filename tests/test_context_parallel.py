@@ -4,11 +4,14 @@ within documents, too)."""
 import pytest
 import torch
 from helpers import spawn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import profile
 
 from trainer.data import document_positions
 from trainer.models import attention as attention_kernels
 from trainer.models.attention import CausalAttention
+from trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from trainer.parallel.context_parallel import METHODS, ContextParallelAttention, shard_sequence
 
 
@@ -48,6 +51,31 @@ def _matches_full_attention(rank, cp):
         _check_against_full_attention(attention, rank, cp, documents,
                                       f"{method} ulysses={ulysses} fused={fused} "
                                       f"documents={documents} cp={cp} rank={rank}")
+    _selective_checkpointing_keeps_the_all_to_alls(cp)
+
+
+def _selective_checkpointing_keeps_the_all_to_alls(cp):
+    """Ulysses' two all-to-alls run once forward and once backward under every selective policy,
+    not a third time in the recomputed forward (full checkpointing does run them again)."""
+    attention = ContextParallelAttention(*_meshes(cp, "ulysses", "all"), "ulysses", False)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 3 * 4 * 8)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 4, 8)).transpose(1, 3).unbind(2)
+            return attention(q, k, v, None).sin()
+
+    for mode, policy, expected in (("none", "ops", 4), ("selective", "ops", 4),
+                                   ("selective", "half_mm", 4), ("full", "ops", 6)):
+        blocks = nn.ModuleDict({"0": Block()})
+        apply_activation_checkpoint(blocks, mode, policy=policy)
+        with profile() as prof:
+            blocks["0"](torch.randn(2, 2 * cp, 8)).sum().backward()
+        sent = sum(event.name == "gloo:all_to_all" for event in prof.events())
+        assert sent == expected, f"{mode} {policy}: {sent} all-to-alls, not {expected}"
 
 
 def _check_against_full_attention(attention, rank, cp, documents, case):

@@ -58,8 +58,8 @@ FLOAT8_LAYOUTS = {
                                  ["+recipe=llama_fsdp", "parallel.pp=2",
                                   "training.activation_checkpoint=selective",
                                   "training.compile=true"], ACCUM2),
-    "cp2_ring_ac_full_kernel": (2, ["+recipe=llama_cp2", "parallel.cp_method=ring",
-                                    "training.activation_checkpoint=full", *KERNEL], KERNEL),
+    "cp2_ulysses_ac_full_kernel": (2, ["+recipe=llama_cp2", "parallel.cp_method=ulysses",
+                                       "training.activation_checkpoint=full", *KERNEL], KERNEL),
 }
 
 # DeepSeek-V3's debug model under float8 (latent attention, dense then MoE blocks; its low-rank

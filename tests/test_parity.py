@@ -128,10 +128,13 @@ TWO_MICROBATCHES = ("training.grad_accum_steps=2",)
 # name -> (ranks, recipe and overrides, the 1-rank reference's overrides)
 MOE_LAYOUTS = {
     "ep2": (2, ["+recipe=mixtral_ep"], ()),
-    # Four expert-parallel ranks: ep4_cp2 (the experts over dp_shard 2 x cp 2).
+    # Four expert-parallel ranks: ep4_cp2_ulysses_ac_selective (the experts over dp_shard 2 x cp 2;
+    # Ulysses' all-to-alls kept beside the experts' checkpointed regions).
     "ep2_fsdp2": (4, ["+recipe=mixtral_ep", "parallel.ep=2"], ()),
     "ep2_hsdp2x1": (4, ["+recipe=mixtral_ep", "parallel.dp_replicate=2"], ()),
-    "ep4_cp2": (4, ["+recipe=mixtral_ep", "parallel.cp=2"], ()),
+    "ep4_cp2_ulysses_ac_selective": (4, ["+recipe=mixtral_ep", "parallel.cp=2",
+                                         "parallel.cp_method=ulysses",
+                                         "training.activation_checkpoint=selective"], ()),
     "ep2_ac_selective_compile": (2,
                                  ["+recipe=mixtral_ep", "training.activation_checkpoint=selective",
                                   "training.compile=true"], ()),

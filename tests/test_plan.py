@@ -358,3 +358,25 @@ def test_selective_checkpointing_keeps_less_than_none_and_more_than_full(layout,
             for ac in order]
     assert held == sorted(held, reverse=True) and len(set(held)) == len(held), \
         f"{layout}: " + ", ".join(f"{ac} {gib:.3f} GiB" for ac, gib in zip(order, held))
+
+
+def test_the_plan_prices_ulysses_and_the_ring_at_128k_tokens(capsys):
+    """Llama 3 8B at 131,072 tokens on 8 GPUs (cp=8): attention's kernels are most of the compute;
+    Ulysses' all-to-alls run forward and backward, and again in a recomputed forward under full
+    checkpointing only: selective keeps what they received (more memory than the ring keeps)."""
+    job = ["+recipe=llama_cp2", "training.seq_len=131072", "model.max_seq_len=131072", "--json",
+           "--gpus", "8", "parallel.cp=8", "parallel.dp_shard=1", "training.global_batch_size=8",
+           "training.grad_accum_steps=8"]
+    plans = {}
+    for method, ac in (("ring", "selective"), ("ulysses", "selective"), ("ulysses", "full")):
+        _, out, _ = run_plan(capsys, *job, f"parallel.cp_method={method}",
+                             f"training.activation_checkpoint={ac}")
+        plans[method, ac] = json.loads(out)
+    ring, ulysses = plans["ring", "selective"], plans["ulysses", "selective"]
+    assert ring["time"]["attention_s"] > 0.7 * ring["time"]["compute_s"]
+    assert ring["time"]["cp_s"] > 0 and ulysses["time"]["cp_s"] > 0
+    assert plans["ulysses", "full"]["time"]["cp_s"] == pytest.approx(1.5 * ulysses["time"]["cp_s"])
+    assert ulysses["ranks"][0]["activations_gib"] > ring["ranks"][0]["activations_gib"]
+    _, out, _ = run_plan(capsys, "+recipe=llama_cp2", "--json")
+    short = json.loads(out)["time"]
+    assert 0 < short["attention_s"] < 0.3 * short["compute_s"]

@@ -138,11 +138,13 @@ def gqa_saved(s: Shapes, head_dim: int) -> tuple[float, float]:
 def gqa_kept(s: Shapes, head_dim: int, policy: str) -> float:
     """Elements the block's input and attention keep under selective checkpointing: the outputs of
     its matmuls (under `half_mm` the first and third, q and v, but not k or the output
-    projection's), its attention and the collectives that reduce into the residual stream."""
+    projection's), its attention, Ulysses' all-to-alls and the collectives that reduce into the
+    residual stream."""
     m, t, tp = s.model, s.tokens, s.tp
     q, kv = t * m.n_heads * head_dim // tp, t * m.n_kv_heads * head_dim // tp
     projections = q + (2 if policy == "ops" else 1) * kv
-    return s.stream_tokens * m.dim + projections + q + into_stream(s, policy)
+    ulysses = ulysses_elements(s, m.n_heads, m.n_kv_heads, head_dim, head_dim)
+    return s.stream_tokens * m.dim + projections + q + ulysses + into_stream(s, policy)
 
 
 def into_stream(s: Shapes, policy: str) -> float:
@@ -167,11 +169,16 @@ def ulysses_sent(s: Shapes, q_heads: int, kv_heads: int, qk_dim: int, v_dim: int
     """Bytes a rank's all-to-alls send per block forward: q and the output (`q_heads`), k and v
     (`kv_heads`, repeated as needed), all but the rank's own 1/u."""
     u = s.cp_ulysses
-    if u == 1:
+    return ulysses_elements(s, q_heads, kv_heads, qk_dim, v_dim) * (u - 1) / u * s.act_bytes
+
+
+def ulysses_elements(s: Shapes, q_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> float:
+    """The elements of a rank's Ulysses all-to-alls per block forward (what each sends and
+    receives; selective checkpointing keeps what they receive)."""
+    if s.cp_ulysses == 1:
         return 0.0
     kv = kv_heads * s.kv_copies(kv_heads)
-    elements = s.tokens * (q_heads * (qk_dim + v_dim) + kv * (qk_dim + v_dim)) // s.tp
-    return elements * (u - 1) / u * s.act_bytes
+    return s.tokens * (q_heads * (qk_dim + v_dim) + kv * (qk_dim + v_dim)) // s.tp
 
 
 def lse_bytes(s: Shapes) -> float:

@@ -2,11 +2,12 @@
 
 - `full`: the block keeps only its input and runs its whole forward again in backward; with
   `every=N`, only every Nth block (the first, the N+1th, ...) is checkpointed, the others keep all.
-- `selective`: every block keeps the outputs of its attention and its reduce-scatters (the most
-  expensive work, and collectives not worth repeating) and recomputes the cheap element-wise ops
-  (norms, rotary embedding, SiLU, products) in backward. Of its matmuls, policy `ops` keeps every
-  output; `half_mm` every second one (the first, third, ... of the block, counted alike in forward
-  and in the recompute), recomputing the others: less memory for a sixth more matmul work.
+- `selective`: every block keeps the outputs of its attention, its reduce-scatters and Ulysses'
+  all-to-alls (the most expensive work, and collectives not worth repeating) and recomputes the
+  cheap element-wise ops (norms, rotary embedding, SiLU, products) in backward. Of its matmuls,
+  policy `ops` keeps every output; `half_mm` every second one (the first, third, ... of the block,
+  counted alike in forward and in the recompute), recomputing the others: less memory for a sixth
+  more matmul work.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SAVED_OPS = {
     torch.ops.higher_order.flex_attention,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_to_all_single.default,  # Ulysses'
 }
 
 

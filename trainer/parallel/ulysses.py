@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 def to_heads(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
@@ -75,10 +76,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
+        return _all_to_all(x.contiguous(), group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _AllToAll.apply(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_single by the functional collective (private in torch 2.13), not
+    dist.all_to_all_single: its op returns a new tensor, which selective activation checkpointing
+    keeps (the in-place c10d op would run again in the recomputed forward)."""
+    return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))

@@ -12,7 +12,7 @@ machine's, measured by `calibrate.py`). `search.py` enumerates layouts and ranks
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -191,7 +191,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
     gathered_per_element = gathered_bytes_per_element(shapes.act_bytes, costs.float8_params(m), f8)
     optimizer = optimizer_of(job.optim)
     quantized = sum(u.quantized_gathered for u in units)  # (QLoRA's base, gathered in 4 bits)
-    return step_time(
+    timed = step_time(
         flops_per_rank=flops_per_rank, device=device, dtype_peak_tflops=compute_tflops, dims=dims,
         gathered_bytes=sum(u.gathered for u in units) * gathered_per_element
         - quantized * (shapes.act_bytes - NF4_BYTES),
@@ -214,3 +214,8 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         memory_bound_bytes=quantized * DEQUANTIZE_TRAFFIC * (2 + share) * dims.grad_accum_steps
         * dims.pp_microbatches,
     )
+    # Attention's share of the compute (its kernels run again only where full checkpointing runs
+    # the whole block again).
+    attention = counted.attention * (3 + (2 if schedule in ZERO_BUBBLE else 1) * share)
+    return replace(timed, attention_s=timed.compute_s * attention
+                               / (flops * (3 + extra)))

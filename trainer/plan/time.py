@@ -27,6 +27,7 @@ class StepTime:
     optimizer_s: float  # Muon's Newton-Schulz iterations and its exchange of matrices (exposed)
     bubble: float  # the pipeline's idle share of the step
     step_s: float
+    attention_s: float = 0.0  # of compute_s, attention's kernels (scores and values)
 
 
 def spans_nodes(inner: int, size: int, per_node: int) -> bool:
@@ -109,8 +110,7 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
     # checkpointing, which keeps what was reduce-scattered).
     tp_ops = (8 + 4 * recompute + (2 if selective else 0)) * passes
     tp_s = ring_seconds(act_stream_bytes, tp, link_gbps(device, 1, tp)) * tp_ops
-    cp_s = cp_seconds(device, dims, kv_bytes, ulysses_bytes, passes,
-                      2 + recompute + (1 if selective else 0))
+    cp_s = cp_seconds(device, dims, kv_bytes, ulysses_bytes, passes, 2 + recompute)
     ep = dims.ep
     # Tokens to their experts and back, forward and backward.
     ep_s = ring_seconds(expert_bytes, ep, link_gbps(device, tp, ep)) * 4 * passes if ep > 1 else 0.0
@@ -133,8 +133,8 @@ def cp_seconds(device: Device, dims, kv_bytes: float, ulysses_bytes: float, pass
                rounds: float) -> float:
     """Context parallel's transfers in `passes` block passes. The ring (or all-gather): K/V go round
     once forward and with their gradients once backward. Ulysses (the inner cp ranks): its
-    all-to-alls `rounds` times (forward, backward, and a recomputed forward: selective
-    checkpointing recomputes them too, they are not among what it keeps)."""
+    all-to-alls `rounds` times (forward, backward, and the share of blocks whose forward full
+    checkpointing recomputes; selective checkpointing keeps their outputs)."""
     ring, ulysses = dims.cp // dims.cp_ulysses, dims.cp_ulysses
     seconds = 0.0
     if ring > 1:

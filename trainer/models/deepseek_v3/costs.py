@@ -14,6 +14,7 @@ from trainer.models.costs import (
     moe_slots,
     scores_flops,
     swiglu_saved,
+    ulysses_elements,
     ulysses_sent,
 )
 from trainer.models.deepseek_v3.model import DeepseekV3Config
@@ -66,8 +67,8 @@ class DeepseekV3Costs(Costs):
 
     def selective_bytes(self, s: Shapes, layer: int, policy: str) -> float:
         """The block's input, its matmuls' outputs as the policy keeps them (in forward order),
-        attention's output and log-sum-exp, the experts' grouped matmuls (always kept) and the
-        tensor-parallel reductions into the stream."""
+        attention's output and log-sum-exp, Ulysses' all-to-alls, the experts' grouped matmuls
+        (always kept) and the tensor-parallel reductions into the stream."""
         m, t, tp = s.model, s.tokens, s.tp
         heads, qk = m.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
         q = ([t * heads * qk // tp] if m.q_lora_rank is None
@@ -89,7 +90,8 @@ class DeepseekV3Costs(Costs):
             experts += t * m.dim * feed_forwards if tp > 1 else 0
         reduced = (1 + feed_forwards) * s.stream_tokens * m.dim if tp > 1 else 0
         elements = (s.stream_tokens * m.dim + matmuls_kept(matmuls, policy)
-                    + t * heads * m.v_head_dim // tp)
+                    + t * heads * m.v_head_dim // tp
+                    + ulysses_elements(s, heads, heads, qk, m.v_head_dim))
         return (elements + experts + reduced) * s.act_bytes + t * heads // tp * FP32
 
     def context_bytes(self, s: Shapes) -> float:
