@@ -7,6 +7,7 @@ a process, in its body or in any fixture it sets up (of any scope), must be mark
 import contextlib
 import multiprocessing.process
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,3 +58,19 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item, nextitem):
     with _no_processes(item):
         return (yield)
+
+
+# TRAINER_TEST_EXTRAS=<regex> (tests/test_extras.py, with the extras hidden): of the tests
+# collected, only those that need an extra (skipped saying how to install it) or whose id matches
+# run.
+def pytest_collection_modifyitems(config, items):
+    naming = os.environ.get("TRAINER_TEST_EXTRAS")
+    if not naming:
+        return
+    keep, drop = [], []
+    for item in items:
+        guarded = any("pip install -e '.[" in str(mark.kwargs.get("reason", ""))
+                      for mark in item.iter_markers("skipif"))
+        (keep if guarded or re.search(naming, item.nodeid) else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep

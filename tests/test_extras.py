@@ -15,10 +15,12 @@ EXTRAS = re.compile(r"torchao|torchft|tensorboard|matplotlib|float8|fault_tolera
 @pytest.mark.multiprocess
 def test_the_fast_tier_passes_with_the_extras_hidden():
     """As with only .[dev] installed: the extras' packages import as if absent (conftest.py's
-    TRAINER_TEST_HIDE). Every test module is collected so (an unguarded import fails there); the
-    fast tests of the modules that name an extra or its feature run (the rest of the tier, which
-    reaches none, runs in the suite itself: a second run of it here would cost minutes)."""
-    env = {**ENV, "TRAINER_TEST_HIDE": "torchao,torchft,tensorboard,matplotlib"}
+    TRAINER_TEST_HIDE). Every test module is collected so (an unguarded import fails there); of the
+    modules that name an extra or its feature, the fast tests that need one (their skip says how to
+    install it) or name one run (the rest of the tier reaches none and runs in the suite itself: a
+    second run of it here would cost minutes)."""
+    env = {**ENV, "TRAINER_TEST_HIDE": "torchao,torchft,tensorboard,matplotlib",
+           "TRAINER_TEST_EXTRAS": EXTRAS.pattern}
     tests = sorted(p for p in (REPO / "tests").glob("test_*.py") if EXTRAS.search(p.read_text()))
     pytest_args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
     collected = subprocess.run([*pytest_args, "--collect-only", "tests"], cwd=REPO, env=env,
