@@ -78,17 +78,22 @@ def main(argv: list[str]) -> int:
 def plan_command(job, args) -> int:
     from trainer.checks.job import check_job
     from trainer.plan import make_plan
+    from trainer.plan.options import fitting_option
     from trainer.plan.profiles import get_device
 
     world = args.world or job.plan.world_size or 1
     if world < 1:
         raise ConfigError(f"--world={world} must be >= 1")
     device = get_device(args.device or job.plan.device or "h100", args.device_memory_gib, world)
-    plan = make_plan(job, check_job(job, world), device)
+    dims = check_job(job, world)
+    plan = make_plan(job, dims, device)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
-    else:
-        print(format_plan(plan, job))
+        return 0 if plan.fits else 1
+    print(format_plan(plan, job))
+    option = None if plan.fits else fitting_option(job, dims, device)
+    if option:
+        print(option[0].upper() + option[1:])
     return 0 if plan.fits else 1
 
 

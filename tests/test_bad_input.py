@@ -139,6 +139,12 @@ MISTAKES = {
     "zero batch": (lambda p: ["training.global_batch_size=0"],
                    r"training.global_batch_size=0 must be >= 1"),
     "beta2 above one": (lambda p: ["optim.beta2=1.5"], r"optim.beta2=1.5 must be in \[0, 1\)"),
+    "an unknown optimizer state dtype": (lambda p: ["optim.state_dtype=int8"],
+                                         r"optim.state_dtype=int8 is unknown; choose one of "
+                                         r"\['float32', 'bfloat16'\]"),
+    "bfloat16 state for Muon": (lambda p: ["optim=muon", "optim.state_dtype=bfloat16"],
+                                r"optim.state_dtype=bfloat16 is not optim.name=muon's; it takes "
+                                r"\['float32'\]"),
     "unknown optimizer": (lambda p: ["optim=sgd"],
                           r"optim=sgd is not a known optim; choose one of \['adamw', 'muon'"),
     "unknown optimizer name": (lambda p: ["optim.name=adafactor"],

@@ -83,11 +83,12 @@ def test_its_config_is_typed_by_its_class_and_checked_by_its_rules():
         compose_job(["imports=[test_optimizer]", "optim.lr_scale=0.5"])
 
 
-@pytest.mark.parametrize("optim", [("optim=adamw",), ("optim=muon",), OURS])
+@pytest.mark.parametrize("optim", [("optim=adamw",), ("optim.state_dtype=bfloat16",),
+                                   ("optim=muon",), OURS])
 def test_the_plan_counts_each_optimizer_s_state_as_it_holds(optim):
     """One rank: the plan's optimizer term against the bytes of every state tensor after a step
-    (AdamW's two moments and step counts; Muon's momentum for its matrices, AdamW's for the rest;
-    Lion's one momentum)."""
+    (AdamW's two moments, in fp32 or bfloat16, and step counts; Muon's momentum for its matrices,
+    AdamW's for the rest; Lion's one momentum)."""
     job = job_of("model=llama_debug", *optim)
     model = build_model(job.model)
     optimizer = build_optimizer(model, job.optim, 1e-3, 0.1, family(job.model.family))

@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from trainer.checks.job import check_job
 from trainer.checks.overrides import job_config
 from trainer.config.files import CONFIG_DIR, RECIPE_DIR, register_configs
+from trainer.errors import ConfigError
 from trainer.plan import GIB, make_plan
 from trainer.plan.devices import local_device, measure_cpu
 from trainer.plan.profiles import get_device
@@ -380,3 +381,25 @@ def test_the_plan_prices_ulysses_and_the_ring_at_128k_tokens(capsys):
     _, out, _ = run_plan(capsys, "+recipe=llama_cp2", "--json")
     short = json.loads(out)["time"]
     assert 0 < short["attention_s"] < 0.3 * short["compute_s"]
+
+
+def test_a_job_that_does_not_fit_is_told_the_option_that_would(capsys):
+    """Llama 3 70B on 16 H100s, full checkpointing: 74.6 GiB a rank; AdamW's moments in bfloat16
+    bring it to 58.1 (Muon's state takes no bfloat16: no option named)."""
+    from trainer.plan.options import fitting_option
+    from trainer.plan.profiles import get_device
+
+    overrides = ("model=llama3_70b", "training.seq_len=4096", "training.global_batch_size=16",
+                 "training.activation_checkpoint=full")
+    device = get_device("h100", None, 16)
+    job = job_of(*overrides)
+    plan = make_plan(job, check_job(job, 16), device)
+    option = fitting_option(job, check_job(job, 16), device)
+    assert not plan.fits and option == "it fits with optim.state_dtype=bfloat16 (peak 58.1 GiB)"
+    with pytest.raises(ConfigError, match=r"GiB\); it fits with optim.state_dtype=bfloat16 "
+                                          r"\(peak 58.1 GiB\), or shard over more ranks"):
+        plan.check_fits(option)
+    muon = job_of(*overrides, "optim=muon")
+    assert fitting_option(muon, check_job(muon, 16), device) is None
+    code, out, _ = run_plan(capsys, *overrides, "--world", "16", "--device", "h100")
+    assert code == 1 and "It fits with optim.state_dtype=bfloat16 (peak 58.1 GiB)" in out

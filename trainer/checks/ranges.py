@@ -6,7 +6,7 @@ from __future__ import annotations
 from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.float8 import RECIPES as FLOAT8_RECIPES
-from trainer.optim.spec import optimizer_of
+from trainer.optim.spec import check_state_dtype, optimizer_of
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
 from trainer.tensors import DTYPES
@@ -92,9 +92,10 @@ def value_of(job: JobConfig, key: str):
 
 
 def check_ranges(job: JobConfig) -> None:
-    """The table's keys, then the optimizer's own (its spec's rules)."""
+    """The table's keys, then the optimizer's (the state dtypes it takes, its spec's rules)."""
     for key, (rule, ok) in RANGES.items():
         value = value_of(job, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} {rule}")
+    check_state_dtype(job.optim)
     optimizer_of(job.optim).check(job.optim)

@@ -175,6 +175,9 @@ class OptimConfig:
     eps: float = 1e-8
     # The cosine schedule decays to lr * min_lr_ratio at the last step.
     min_lr_ratio: float = 0.1
+    # The dtype of the optimizer's state (AdamW's moments): float32 | bfloat16 (half the bytes,
+    # stored by stochastic rounding; the master weights stay fp32).
+    state_dtype: str = "float32"
 
 
 @dataclass

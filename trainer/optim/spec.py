@@ -57,7 +57,10 @@ class OptimizerSpec:
     # The parameters it treats apart from the rest (name in the model, parameter, family): Muon's
     # block matrices. None: it treats every parameter alike.
     apart: Callable[[str, torch.Tensor, ModelSpec], bool] | None = None
-    # fp32 words of state per parameter element: the rest, and those apart (AdamW's two moments: 2).
+    # optim.state_dtype's values it takes (its state held in that dtype)
+    state_dtypes: tuple[str, ...] = ("float32",)
+    # words of state per parameter element: the rest, and those apart (AdamW's two moments: 2),
+    # each of optim.state_dtype's bytes.
     state_words: float = 2.0
     apart_state_words: float = 2.0
     # Each matrix apart is updated whole, by the rank that owns it: the others send it their pieces
@@ -93,13 +96,25 @@ def optimizer_of(cfg: OptimConfig) -> OptimizerSpec:
     return optimizer_named(cfg.name)
 
 
+STATE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def check_state_dtype(cfg: OptimConfig) -> None:
+    spec = optimizer_of(cfg)
+    if cfg.state_dtype not in spec.state_dtypes:
+        known = cfg.state_dtype in STATE_BYTES
+        raise ConfigError(f"optim.state_dtype={cfg.state_dtype} "
+                          + (f"is not optim.name={cfg.name}'s; it takes {list(spec.state_dtypes)}"
+                             if known else f"is unknown; choose one of {list(STATE_BYTES)}"))
+
+
 def state_bytes_bound(cfg: OptimConfig) -> float:
     """Bytes a parameter element costs at least: fp32 weight and gradient, and the smaller of its
     states (the search's first bound)."""
     spec = optimizer_of(cfg)
     words = min(spec.state_words,
                 spec.apart_state_words if spec.apart is not None else spec.state_words)
-    return 4.0 * (2 + words)
+    return 4.0 * 2 + STATE_BYTES[cfg.state_dtype] * words
 
 
 def state_change(saved: dict, now: dict) -> str | None:

@@ -23,7 +23,7 @@ from trainer.models.costs import FP32, Shapes
 from trainer.models.moe_config import n_experts
 from trainer.models.nf4 import DEQUANTIZE_TRAFFIC, NF4_BYTES
 from trainer.observe.metrics import flops_per_token
-from trainer.optim.spec import optimizer_of
+from trainer.optim.spec import STATE_BYTES, optimizer_of
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
@@ -88,8 +88,9 @@ class Plan:
             ],
         }
 
-    def check_fits(self) -> None:
-        """A `config error:` naming the largest term when the peak exceeds the device's memory."""
+    def check_fits(self, option: str | None = None) -> None:
+        """A `config error:` naming the largest term when the peak exceeds the device's memory, and
+        `option` (options.fitting_option's advice) first where one fits."""
         if self.fits:
             return
         rank = max(self.ranks, key=lambda r: r.peak)
@@ -99,8 +100,9 @@ class Plan:
         raise ConfigError(
             f"plan: the job needs {rank.peak / GIB:.1f} GiB per rank{where}, more than the "
             f"{usable:.1f} GiB usable of {self.device.memory_gib:.1f} on {self.device.name} "
-            f"(largest term: {name} {value / GIB:.1f} GiB); {_advice(name)} (or plan.check=false "
-            "to run anyway)"
+            f"(largest term: {name} {value / GIB:.1f} GiB); "
+            f"{option + ', or ' if option else ''}{_advice(name)} (or plan.check=false to run "
+            "anyway)"
         )
 
 
@@ -150,6 +152,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         grad_accum=dims.grad_accum_steps, param_bytes=act_bytes,
         has_loss=any(s.stage == n_stages - 1 for s in stages), selective_policy=t.selective_policy,
         float8=f8, float8_share=costs.float8_params(m), optimizer=optimizer_of(job.optim),
+        state_bytes=STATE_BYTES[job.optim.state_dtype],
     ) for pp_rank, stages in enumerate(stages_by_rank)]
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))

@@ -140,10 +140,12 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
                 activation_checkpoint: str, checkpointed_share: float, schedule: str | None,
                 pp: int, n_microbatches: int, grad_accum: int, param_bytes: int, has_loss: bool,
                 selective_policy: str = "half_mm", float8: str | None = None,
-                float8_share: float = 0.0, optimizer: OptimizerSpec = ADAMW) -> RankMemory:
+                float8_share: float = 0.0, optimizer: OptimizerSpec = ADAMW,
+                state_bytes: int = FP32) -> RankMemory:
     """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
     float8 linear layers (the experts' grouped GEMMs are not); `optimizer`: the job's (its state per
-    element, and whether it updates the matrices it treats apart whole)."""
+    element, and whether it updates the matrices it treats apart whole); `state_bytes`: a state
+    word's (optim.state_dtype's)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     trained = sum(u.trained for stage in stages for u in stage.units)  # (LoRA: the adapters)
     quantized = sum(u.quantized for stage in stages for u in stage.units)  # (QLoRA's base)
@@ -153,7 +155,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     apart = (sum(u.apart for stage in stages for u in stage.units) if optimizer.apart is not None
              else 0)
     words = optimizer.state_words * (trained - apart) + optimizer.apart_state_words * apart
-    states = words * FP32
+    states = words * state_bytes
     units = sorted((u for stage in stages for u in stage.units), key=lambda u: -u.gathered)
     edges = ("embedding", "head", "root")
     in_float8 = {u.name: float8_share if u.name not in edges and not u.name.endswith(".experts")

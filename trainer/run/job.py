@@ -29,6 +29,7 @@ from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
 from trainer.plan.auto import auto_device, calibration_note, choose_layout, pinned_keys
 from trainer.plan.devices import local_device
+from trainer.plan.options import fitting_option
 from trainer.plan.search import apply_overrides
 from trainer.run.allocator import reuse_freed_memory
 from trainer.run.output import OutputLock, check_writable
@@ -153,8 +154,10 @@ def check_memory(job: JobConfig, dims: ParallelDims, device: torch.device) -> fl
 
 
 def _planned_peak(job: JobConfig, dims: ParallelDims, device, pp_rank: int) -> float:
-    plan = make_plan(group_view(job), dims, device)
-    plan.check_fits()
+    job = group_view(job)
+    plan = make_plan(job, dims, device)
+    if not plan.fits:
+        plan.check_fits(fitting_option(job, dims, device))
     return plan.ranks[pp_rank].peak
 
 

@@ -1,0 +1,94 @@
+"""AdamW with its two moments held in bfloat16 (`optim.state_dtype=bfloat16`): 4 bytes of state a
+parameter element instead of 8. The fp32 master weights are updated in fp32 as usual: each step
+widens a parameter's moments to fp32, updates them and the weight there, and stores the moments
+back by stochastic rounding, so an update smaller than a bfloat16 step (beta2's 1 - 0.999 of the
+second moment) still moves it on average instead of being rounded away.
+
+The rounding's random bits are a hash of the bits the value keeps and of the step, not a generator's
+draw: every layout, holding any slice of a parameter, rounds each element alike, so a sharded run
+equals one process at the same state precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.tensors import local_tensor
+
+_LOW = 0xFFFF  # the 16 bits of an fp32 value that bfloat16 drops
+# odd multipliers below 2**31 (products of 32-bit values stay inside int64)
+_MIX = (0x5BD1E995, 0x27D4EB2D, 0x165667B1)
+
+
+def round_stochastic(x: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` to bfloat16, rounding each magnitude up with the probability of its dropped bits'
+    share of a bfloat16 step; the random bits hash its kept bits and `salt` (an integer tensor)."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    kept = bits & ~_LOW
+    h = (kept >> 16) * _MIX[0] + salt * _MIX[1]
+    h = ((h ^ (h >> 15)) & 0xFFFFFFFF) * _MIX[2]
+    noise = (h ^ (h >> 13)) & _LOW
+    rounded = (bits + noise) & 0xFFFF0000
+    # back to int32's range (the sign bit), then the exact bfloat16 the fp32 value now is
+    return torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32).view(
+        torch.float32).to(torch.bfloat16)
+
+
+def _moments_in_bfloat16(optimizer: torch.optim.Optimizer) -> None:
+    """After a load (a bfloat16 checkpoint's or an fp32 one's), the moments in bfloat16 again."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key] = state[key].to(torch.bfloat16)
+
+
+class AdamWBF16State(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, torch.optim.AdamW's update and state names: `step`,
+    `exp_avg`, `exp_avg_sq`) with the moments in bfloat16. Honours `found_inf` (1: weights, moments
+    and step count stay as they were)."""
+
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        # torch's load_state_dict casts floating state to the parameter's dtype (fp32)
+        self.register_load_state_dict_post_hook(_moments_in_bfloat16)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        skip = getattr(self, "found_inf", None)
+        keep = None if skip is None else ~skip.bool()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group, keep)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict, keep: torch.Tensor | None) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+        beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
+        weight, grad = local_tensor(p), local_tensor(p.grad).float()
+        m_low, v_low = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+        step = state["step"] + (1 if keep is None else keep.float())
+        m = m_low.float().lerp_(grad, 1 - beta1)
+        v = v_low.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # (bias corrections as device tensors: no host sync on the step count)
+        denom = (v.sqrt() / (1 - beta2**step).sqrt()).add_(eps)
+        update = m / denom * (-lr / (1 - beta1**step))
+        new_weight = weight * (1 - lr * group["weight_decay"]) + update
+        salt = step.to(torch.int64)
+        m, v = round_stochastic(m, 2 * salt), round_stochastic(v, 2 * salt + 1)
+        if keep is not None:
+            new_weight = torch.where(keep, new_weight, weight)
+            m, v = torch.where(keep, m, m_low), torch.where(keep, v, v_low)
+        weight.copy_(new_weight)
+        m_low.copy_(m)
+        v_low.copy_(v)
+        state["step"].copy_(step)
