@@ -5,6 +5,7 @@ import math
 import torch
 
 from trainer.config.schema import OptimConfig
+from trainer.optim import bf16_state
 from trainer.optim.bf16_state import AdamWBF16State, round_stochastic
 from trainer.optim.build import build_optimizer
 from trainer.optim.clipping import clip_grad_norm_
@@ -48,6 +49,21 @@ def test_stochastic_rounding_is_unbiased_and_keyed_by_value_and_step():
     assert torch.equal(round_stochastic(x.repeat(3), torch.tensor(5)).float(), rounded[5].repeat(3))
     exact = torch.tensor([0.0, 1.0, -2.5, 2.0**-70])  # bfloat16 values stay themselves
     assert torch.equal(round_stochastic(exact, torch.tensor(3)).float(), exact)
+
+
+def test_adamw_with_bfloat16_moments_updates_a_chunk_at_a_time_alike(monkeypatch):
+    results = []
+    for chunk in (bf16_state.CHUNK, 7):
+        monkeypatch.setattr(bf16_state, "CHUNK", chunk)
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5, 9))
+        optimizer = AdamWBF16State([{"params": [p], "weight_decay": 0.1}], lr=1e-2,
+                                   betas=(0.9, 0.999), eps=1e-8)
+        for _ in range(3):
+            p.grad = torch.randn(5, 9)
+            optimizer.step()
+        results.append((p.detach(), *optimizer.state[p].values()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_adamw_with_bfloat16_moments_follows_fp32_adamw_and_skips_on_found_inf():

@@ -72,23 +72,38 @@ class AdamWBF16State(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
-        beta1, beta2 = group["betas"]
-        lr, eps = group["lr"], group["eps"]
-        weight, grad = local_tensor(p), local_tensor(p.grad).float()
+        weight, grad = local_tensor(p), local_tensor(p.grad)
         m_low, v_low = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
         step = state["step"] + (1 if keep is None else keep.float())
-        m = m_low.float().lerp_(grad, 1 - beta1)
-        v = v_low.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        # (bias corrections as device tensors: no host sync on the step count)
-        denom = (v.sqrt() / (1 - beta2**step).sqrt()).add_(eps)
-        update = m / denom * (-lr / (1 - beta1**step))
-        new_weight = weight * (1 - lr * group["weight_decay"]) + update
-        salt = step.to(torch.int64)
-        m, v = round_stochastic(m, 2 * salt), round_stochastic(v, 2 * salt + 1)
-        if keep is not None:
-            new_weight = torch.where(keep, new_weight, weight)
-            m, v = torch.where(keep, m, m_low), torch.where(keep, v, v_low)
-        weight.copy_(new_weight)
-        m_low.copy_(m)
-        v_low.copy_(v)
+        # A chunk at a time: the fp32 and int64 temporaries of a large shard (an embedding's) stay
+        # small.
+        tensors = (weight, grad, m_low, v_low)
+        chunks = (zip(*(t.view(-1).split(CHUNK) for t in tensors))
+                  if all(t.is_contiguous() for t in tensors) else [tensors])
+        for chunk in chunks:
+            _update_chunk(*chunk, group, step, keep)
         state["step"].copy_(step)
+
+
+CHUNK = 1 << 22  # elements
+
+
+def _update_chunk(weight: torch.Tensor, grad: torch.Tensor, m_low: torch.Tensor,
+                  v_low: torch.Tensor, group: dict, step: torch.Tensor,
+                  keep: torch.Tensor | None) -> None:
+    beta1, beta2 = group["betas"]
+    lr, grad = group["lr"], grad.float()
+    m = m_low.float().lerp_(grad, 1 - beta1)
+    v = v_low.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    # (bias corrections as device tensors: no host sync on the step count)
+    denom = (v.sqrt() / (1 - beta2**step).sqrt()).add_(group["eps"])
+    update = m / denom * (-lr / (1 - beta1**step))
+    new_weight = weight * (1 - lr * group["weight_decay"]) + update
+    salt = step.to(torch.int64)
+    m, v = round_stochastic(m, 2 * salt), round_stochastic(v, 2 * salt + 1)
+    if keep is not None:
+        new_weight = torch.where(keep, new_weight, weight)
+        m, v = torch.where(keep, m, m_low), torch.where(keep, v, v_low)
+    weight.copy_(new_weight)
+    m_low.copy_(m)
+    v_low.copy_(v)
