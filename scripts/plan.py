@@ -78,8 +78,8 @@ def main(argv: list[str]) -> int:
 def plan_command(job, args) -> int:
     from trainer.checks.job import check_job
     from trainer.plan import make_plan
-    from trainer.plan.options import fitting_option
     from trainer.plan.profiles import get_device
+    from trainer.plan.search import fitting_option
 
     world = args.world or job.plan.world_size or 1
     if world < 1:

@@ -1,36 +1,34 @@
-"""What a job that does not fit its GPUs could change to fit on them: the options that trade a
-little precision or speed for memory, cheapest first (the advice names the first that fits)."""
+"""The options that trade a little precision or speed for memory, cheapest first: what a job that
+does not fit its GPUs could change to fit on them. The plan's advice names the first that fits;
+the search (parallel=auto) tries them, in turn, when no layout fits without."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.optim.spec import check_state_dtype
-from trainer.parallel.dims import ParallelDims
-from trainer.plan import GIB, make_plan
-from trainer.plan.devices import Device
-from trainer.plan.search import apply_overrides
 
-# (section.key -> value): AdamW's moments in bfloat16 halve the optimizer's state at no cost in time
+# (section.key -> value): AdamW's moments in bfloat16 halve the optimizer's state
 MEMORY_OPTIONS = ({"optim.state_dtype": "bfloat16"},)
 
 
-def fitting_option(job: JobConfig, dims: ParallelDims, device: Device) -> str | None:
-    """`it fits with KEY=VALUE (peak N GiB)` for the first option the job does not use already
-    that makes it fit, else None."""
-    for overrides in MEMORY_OPTIONS:
-        if all(_value(job, key) == value for key, value in overrides.items()):
+def options_for(job: JobConfig, pinned: dict[str, str] | None = None) -> list[dict]:
+    """The options `job` can take: those it does not use already, that set no key the user
+    pinned, and that its optimizer takes."""
+    found = []
+    for option in MEMORY_OPTIONS:
+        if any(key in (pinned or {}) for key in option) or all(
+                _value(job, key) == value for key, value in option.items()):
             continue
-        changed = apply_overrides(job, overrides)
-        try:
-            check_state_dtype(changed.optim)
-        except ConfigError:  # (not this optimizer's)
-            continue
-        plan = make_plan(changed, dims, device)
-        if plan.fits:
-            said = " ".join(f"{key}={value}" for key, value in overrides.items())
-            return f"it fits with {said} (peak {plan.peak / GIB:.1f} GiB)"
-    return None
+        if "optim.state_dtype" in option:
+            try:
+                check_state_dtype(replace(job.optim, state_dtype=option["optim.state_dtype"]))
+            except ConfigError:  # (not this optimizer's)
+                continue
+        found.append(option)
+    return found
 
 
 def _value(job: JobConfig, key: str):

@@ -23,6 +23,7 @@ from trainer.optim.spec import state_bytes_bound
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.plan import GIB, MARGIN, Plan, make_plan
 from trainer.plan.devices import Device
+from trainer.plan.options import options_for
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -105,6 +106,12 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
     # what the candidates change (degrees, checkpointing, accumulation) is in range
     check_ranges(job)
     fitting, rejected, best_misfit = _plan_candidates(job, gpus, device, pinned)
+    for option in options_for(job, pinned) if not fitting else []:
+        # after the layouts: the first memory option with which some layout fits
+        fitting = [(plan, {**overrides, **option}) for plan, overrides in
+                   _plan_candidates(apply_overrides(job, option), gpus, device, pinned)[0]]
+        if fitting:
+            break
     if not fitting:
         reasons = ", ".join(f"{rule} ({n})" for rule, n in rejected.most_common(5))
         closest = ""
@@ -137,6 +144,17 @@ def _what_fits(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]
         if fitting:
             return f"; it fits on {more} devices ({describe_overrides(_fastest(fitting))})"
     return f"; not even on {16 * gpus} devices"
+
+
+def fitting_option(job: JobConfig, dims, device: Device) -> str | None:
+    """`it fits with KEY=VALUE (peak N GiB)` for the first memory option that makes `job`, laid
+    out as `dims`, fit; None where none does."""
+    for option in options_for(job):
+        plan = make_plan(apply_overrides(job, option), dims, device)
+        if plan.fits:
+            said = " ".join(f"{key}={value}" for key, value in option.items())
+            return f"it fits with {said} (peak {plan.peak / GIB:.1f} GiB)"
+    return None
 
 
 def _fastest(fitting: list[tuple[Plan, dict]]) -> dict:
@@ -202,7 +220,8 @@ def describe_overrides(overrides: dict) -> str:
     short = {"parallel.dp_replicate": "rep", "parallel.dp_shard": "shard", "parallel.tp": "tp",
              "parallel.cp": "cp", "parallel.pp": "pp", "parallel.ep": "ep",
              "training.activation_checkpoint": "ac", "training.grad_accum_steps": "accum",
-             "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched"}
+             "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched",
+             "optim.state_dtype": "state"}
     parts = []
     for key, value in overrides.items():
         if key == "parallel.pp_stages_per_rank" or (key == "parallel.ep" and value == 1):

@@ -29,8 +29,7 @@ from trainer.parallel.dims import ParallelDims
 from trainer.plan import make_plan
 from trainer.plan.auto import auto_device, calibration_note, choose_layout, pinned_keys
 from trainer.plan.devices import local_device
-from trainer.plan.options import fitting_option
-from trainer.plan.search import apply_overrides
+from trainer.plan.search import apply_overrides, fitting_option
 from trainer.run.allocator import reuse_freed_memory
 from trainer.run.output import OutputLock, check_writable
 from trainer.run.setup import build_trainer
