@@ -90,7 +90,7 @@ class Plan:
 
     def check_fits(self, option: str | None = None) -> None:
         """A `config error:` naming the largest term when the peak exceeds the device's memory, and
-        `option` (options.fitting_option's advice) first where one fits."""
+        `option` (search.fitting_option's advice) first where one fits."""
         if self.fits:
             return
         rank = max(self.ranks, key=lambda r: r.peak)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from trainer.checks.ranges import value_of
 from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.optim.spec import check_state_dtype
@@ -20,7 +21,7 @@ def options_for(job: JobConfig, pinned: dict[str, str] | None = None) -> list[di
     found = []
     for option in MEMORY_OPTIONS:
         if any(key in (pinned or {}) for key in option) or all(
-                _value(job, key) == value for key, value in option.items()):
+                value_of(job, key) == value for key, value in option.items()):
             continue
         if "optim.state_dtype" in option:
             try:
@@ -29,8 +30,3 @@ def options_for(job: JobConfig, pinned: dict[str, str] | None = None) -> list[di
                 continue
         found.append(option)
     return found
-
-
-def _value(job: JobConfig, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(job, section), name)
