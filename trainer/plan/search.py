@@ -106,10 +106,10 @@ def search(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str] | N
     # what the candidates change (degrees, checkpointing, accumulation) is in range
     check_ranges(job)
     fitting, rejected, best_misfit = _plan_candidates(job, gpus, device, pinned)
-    for option in options_for(job, pinned) if not fitting else []:
+    for option, opted in _options(job, pinned) if not fitting else []:
         # after the layouts: the first memory option with which some layout fits
         fitting = [(plan, {**overrides, **option}) for plan, overrides in
-                   _plan_candidates(apply_overrides(job, option), gpus, device, pinned)[0]]
+                   _plan_candidates(opted, gpus, device, pinned)[0]]
         if fitting:
             break
     if not fitting:
@@ -149,12 +149,26 @@ def _what_fits(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]
 def fitting_option(job: JobConfig, dims, device: Device) -> str | None:
     """`it fits with KEY=VALUE (peak N GiB)` for the first memory option that makes `job`, laid
     out as `dims`, fit; None where none does."""
-    for option in options_for(job):
-        plan = make_plan(apply_overrides(job, option), dims, device)
+    for option, opted in _options(job):
+        plan = make_plan(opted, dims, device)
         if plan.fits:
             said = " ".join(f"{key}={value}" for key, value in option.items())
             return f"it fits with {said} (peak {plan.peak / GIB:.1f} GiB)"
     return None
+
+
+def _options(job: JobConfig, pinned: dict[str, str] | None = None) -> list[tuple[dict, JobConfig]]:
+    """Each memory option `job` can take, with the job under it: one its config refuses (bfloat16
+    state for Muon) is left out."""
+    taken = []
+    for option in options_for(job, pinned):
+        opted = apply_overrides(job, option)
+        try:
+            check_ranges(opted)
+        except ConfigError:
+            continue
+        taken.append((option, opted))
+    return taken
 
 
 def _fastest(fitting: list[tuple[Plan, dict]]) -> dict:
