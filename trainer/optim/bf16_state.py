@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.optim.spec import SkippingOptimizer
 from trainer.tensors import local_tensor
 
 _LOW = 0xFFFF  # the 16 bits of an fp32 value that bfloat16 drops
@@ -42,7 +43,7 @@ def _moments_in_bfloat16(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = state[key].to(torch.bfloat16)
 
 
-class AdamWBF16State(torch.optim.Optimizer):
+class AdamWBF16State(SkippingOptimizer):
     """AdamW (decoupled weight decay, torch.optim.AdamW's update and state names: `step`,
     `exp_avg`, `exp_avg_sq`) with the moments in bfloat16. Honours `found_inf` (1: weights, moments
     and step count stay as they were)."""
@@ -52,19 +53,12 @@ class AdamWBF16State(torch.optim.Optimizer):
         # torch's load_state_dict casts floating state to the parameter's dtype (fp32)
         self.register_load_state_dict_post_hook(_moments_in_bfloat16)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        skip = getattr(self, "found_inf", None)
+    def update(self, skip: torch.Tensor | None) -> None:
         keep = None if skip is None else ~skip.bool()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     self._update(p, group, keep)
-        return loss
 
     def _update(self, p: torch.Tensor, group: dict, keep: torch.Tensor | None) -> None:
         state = self.state[p]

@@ -27,7 +27,12 @@ from trainer.config.schema import OptimConfig
 from trainer.errors import ConfigError
 from trainer.models.spec import ModelSpec
 from trainer.optim.muon_exchange import MatrixExchange, ns_flops
-from trainer.optim.spec import OptimizerInputs, OptimizerSpec, register_optimizer
+from trainer.optim.spec import (
+    OptimizerInputs,
+    OptimizerSpec,
+    SkippingOptimizer,
+    register_optimizer,
+)
 from trainer.tensors import local_tensor
 
 # the quintic of Keller Jordan's Muon and torch.optim.Muon
@@ -77,7 +82,7 @@ def is_muon_matrix(name: str, p: torch.Tensor, blocks: str, excluded: tuple[str,
                                                 for pattern in excluded)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(SkippingOptimizer):
     """Muon over the first param group (`muon=True`), fused AdamW over the others. State: each Muon
     matrix's `momentum_buffer`; AdamW's `step`, `exp_avg`, `exp_avg_sq` (torch.optim.AdamW's
     names)."""
@@ -94,16 +99,9 @@ class Muon(torch.optim.Optimizer):
         self.scales = [RMS_RULES[rms_match](*p.shape[-2:]) for p in muon_params]
         self.exchange = MatrixExchange(muon_params, ns_steps, group_of)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        skip = getattr(self, "found_inf", None)
+    def update(self, skip: torch.Tensor | None) -> None:
         for group in self.param_groups:
             (self._muon if group["muon"] else self._adamw)(group, skip)
-        return loss
 
     def _muon(self, group: dict, skip: torch.Tensor | None) -> None:
         # Every matrix takes part each step (the exchange is a collective); no gradient counts as

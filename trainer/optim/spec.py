@@ -72,6 +72,24 @@ class OptimizerSpec:
     step_work: str = ""  # what that work is, in words (plan.py's report)
 
 
+class SkippingOptimizer(torch.optim.Optimizer):
+    """A base for an optimizer of our own: step() runs the closure (torch's contract) and hands
+    `update` the step guard's `found_inf` (a device tensor, 1: leave weights and state alone; None
+    where no guard set one)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.update(getattr(self, "found_inf", None))
+        return loss
+
+    def update(self, skip: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+
 _REGISTRY: dict[str, OptimizerSpec] = {}
 
 
