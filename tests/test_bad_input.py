@@ -145,6 +145,15 @@ MISTAKES = {
     "bfloat16 state for Muon": (lambda p: ["optim=muon", "optim.state_dtype=bfloat16"],
                                 r"optim.state_dtype=bfloat16 is not optim.name=muon's; it takes "
                                 r"\['float32'\]"),
+    "an unknown offload": (lambda p: ["training.offload=gradients"],
+                           r"training.offload=gradients must be one of \['none', 'optimizer'\]"),
+    "optimizer offload with Muon": (lambda p: ["optim=muon", "training.offload=optimizer"],
+                                    r"training.offload=optimizer cannot be combined with "
+                                    r"optim.name=muon: its collectives"),
+    "optimizer offload with float8": (lambda p: ["training.offload=optimizer",
+                                                 "training.float8.enabled=true"],
+                                      r"training.offload=optimizer cannot be combined with "
+                                      r"training.float8.enabled=true"),
     "unknown optimizer": (lambda p: ["optim=sgd"],
                           r"optim=sgd is not a known optim; choose one of \['adamw', 'muon'"),
     "unknown optimizer name": (lambda p: ["optim.name=adafactor"],

@@ -13,7 +13,8 @@ from trainer.optim.bf16_state import AdamWBF16State
 
 BF16_STATE = ("optim.state_dtype=bfloat16",)
 LAYOUTS = {
-    "fsdp2": (2, ["+recipe=llama_fsdp"]),
+    # the moments on the host with the weights (what a large model on few GPUs takes)
+    "fsdp2_offload": (2, ["+recipe=llama_fsdp", "training.offload=optimizer"]),
     "tp2_pp2": (4, ["+recipe=llama_tp2", "parallel.pp=2", "training.grad_accum_steps=2"]),
 }
 

@@ -62,14 +62,18 @@ LAYOUTS = {
     "hsdp_elastic_micro1": (4,
                             ["+recipe=llama_hsdp", "parallel.dp_replicate=-1",
                              "parallel.dp_shard=2", "training.micro_batch_size=1"]),
-    "fsdp2_accum2": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2"]),
+    # The host holds the sharded weights, their gradients (accumulated there) and the optimizer
+    # (training.offload=optimizer): under FSDP with accumulation, HSDP with tp, and pp.
+    "fsdp2_accum2_offload": (2, ["+recipe=llama_fsdp", "training.grad_accum_steps=2",
+                                 "training.offload=optimizer"]),
     # Selective checkpointing under FSDP: the ops policy here, the default half_mm policy eagerly
     # under tp and cp (below) and compiled under tp, the interleaved pipeline and ep.
     "fsdp2_ac_selective_ops": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective",
                                    "training.selective_policy=ops"]),
     "tp2": (2, ["+recipe=llama_tp2"]),
     "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
-    "tp2_hsdp2x1": (4, ["+recipe=llama_tp2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    "tp2_hsdp2x1_offload": (4, ["+recipe=llama_tp2", "parallel.dp_replicate=2",
+                                "parallel.dp_shard=1", "training.offload=optimizer"]),
     "tp2_no_sp_no_lp": (2,
                         ["+recipe=llama_tp2", "parallel.sequence_parallel=false",
                          "parallel.loss_parallel=false"]),
@@ -81,7 +85,8 @@ LAYOUTS = {
     **{f"pp2_{s}": (2, ["+recipe=llama_fsdp", "parallel.pp=2", f"parallel.pp_schedule={s}"])
        for s in PP_SCHEDULES},
     "pp2_hsdp2x1": (4, ["+recipe=llama_hsdp", "parallel.pp=2"]),
-    "pp2_accum2": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2"]),
+    "pp2_accum2_offload": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2",
+                               "training.offload=optimizer"]),
     "pp2_interleaved_1f1b_ac_selective_compile": (2, ["+recipe=llama_fsdp", "parallel.pp=2",
                                                       "parallel.pp_schedule=interleaved_1f1b",
                                                       "training.activation_checkpoint=selective",

@@ -182,7 +182,8 @@ def test_search_answers_for_qwen3_moe(capsys):
     (["+recipe=llama_fsdp", "--device", "tpu9"], "config error: device tpu9 is unknown"),
     (["+recipe=llama_4d", "--world", "12"],
      "config error: parallel: pp*dp_replicate*dp_shard*cp*tp=16 must equal"),
-    (["--search", "--gpus", "2", "--device", "a100", "model=llama3_70b"],
+    (["--search", "--gpus", "2", "--device", "a100", "model=llama3_70b",
+      "plan.host_memory_gib=256"],
      "config error: --search: no layout of"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
@@ -405,3 +406,36 @@ def test_a_job_that_does_not_fit_is_told_the_option_that_would(capsys):
     code, out, _ = run_plan(capsys, "+recipe=mixtral_ep", "--search", "--gpus", "8", "--device",
                             "h100", "--top", "1")
     assert code == 0 and re.search(r" 1\. .* state=bfloat16\n", out), out
+
+
+def test_the_offload_moves_the_sharded_state_to_the_host_and_its_cost_is_said(capsys):
+    """Llama 3 8B on one H100: no layout fits, with bfloat16 state neither (89.8 GiB); the sharded
+    weights, gradients and state on the host do, at a step the host's copies and its optimizer
+    slow. The plan keeps those terms on the host (a node's limit: plan.host_memory_gib), and on
+    the CPU, where the host is the device, the offload moves nothing."""
+    overrides = ("+recipe=llama_fsdp", "training.seq_len=4096", "training.global_batch_size=8",
+                 "training.grad_accum_steps=1")
+    device = get_device("h100", None, 1)
+    job = job_of(*overrides)
+    dims = check_job(job, 1)
+    option = fitting_option(job, dims, device)
+    assert re.fullmatch(r"it fits with training.offload=optimizer \(peak (\d+\.\d) GiB, "
+                        r"(\d+)% lower tokens/s\)", option), option
+    job = job_of(*overrides, "training.offload=optimizer")
+    plan, kept = make_plan(job, dims, device), make_plan(job_of(*overrides), dims, device)
+    rank, whole = plan.ranks[0], kept.ranks[0]
+    assert plan.fits and rank.host == whole.params + whole.grads + whole.optimizer
+    assert rank.peak < whole.peak / 4 and rank.largest()[0] == "activations"
+    assert plan.time.host_s > 0 and plan.time.optimizer_s > 0
+    assert plan.tokens_per_s < kept.tokens_per_s
+    small = job_of(*overrides, "training.offload=optimizer", "plan.host_memory_gib=100")
+    with pytest.raises(ConfigError, match=r"plan: training.offload=optimizer puts 119.7 GiB in "
+                                          r"each node's host memory, more than 90.0 usable of "
+                                          r"plan.host_memory_gib=100"):
+        make_plan(small, dims, device).check_fits()
+    cpu = get_device("cpu", 8.0, 1)
+    assert make_plan(job, dims, cpu).ranks[0] == make_plan(job_of(*overrides), dims, cpu).ranks[0]
+    # The search takes it where nothing fits without it.
+    code, out, _ = run_plan(capsys, *overrides, "--search", "--gpus", "1", "--device", "h100",
+                            "--top", "1")
+    assert code == 0 and re.search(r" 1\. .* offload=optimizer\n", out), out

@@ -9,6 +9,7 @@ from trainer.float8 import RECIPES as FLOAT8_RECIPES
 from trainer.optim.spec import check_state_dtype, optimizer_of
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
+from trainer.parallel.fsdp import OFFLOADS
 from trainer.tensors import DTYPES
 
 
@@ -51,6 +52,7 @@ RANGES = {
     "training.activation_checkpoint": _one_of(AC_MODES),
     "training.activation_checkpoint_every": ("must be >= 1", _at_least_one),
     "training.selective_policy": _one_of(SELECTIVE_POLICIES),
+    "training.offload": _one_of(OFFLOADS),
     "training.mixed_precision.param_dtype": _one_of(("auto", *DTYPES)),
     "training.mixed_precision.reduce_dtype": _one_of(tuple(DTYPES)),
     "training.float8.recipe": _one_of(FLOAT8_RECIPES),
@@ -92,10 +94,27 @@ def value_of(job: JobConfig, key: str):
 
 
 def check_ranges(job: JobConfig) -> None:
-    """The table's keys, then the optimizer's (the state dtypes it takes, its spec's rules)."""
+    """The table's keys, then the optimizer's (the state dtypes it takes, its spec's rules), then
+    what the offload takes."""
     for key, (rule, ok) in RANGES.items():
         value = value_of(job, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} {rule}")
     check_state_dtype(job.optim)
     optimizer_of(job.optim).check(job.optim)
+    check_offload(job)
+
+
+def check_offload(job: JobConfig) -> None:
+    """training.offload=optimizer with what keeps its own work on the device's links."""
+    if job.training.offload == "none":
+        return
+    others = {"training.float8.enabled=true": job.training.float8.enabled,
+              "peft.base_dtype=nf4": job.peft.method is not None and job.peft.base_dtype == "nf4",
+              "fault_tolerance.enabled=true": job.fault_tolerance.enabled,
+              f"optim.name={job.optim.name}": optimizer_of(job.optim).whole_matrices}
+    for key, on in others.items():
+        if on:
+            raise ConfigError(f"training.offload={job.training.offload} cannot be combined with "
+                              f"{key}: its collectives run on the device's copies of the weights, "
+                              "gradients or state; drop one of the two")

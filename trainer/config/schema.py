@@ -154,6 +154,10 @@ class TrainingConfig:
     # What selective keeps of a block's matmul outputs:
     # half_mm (every second one) | ops (all of them).
     selective_policy: str = "half_mm"
+    # What lives in host memory: none | optimizer (the sharded fp32 weights, their gradients and the
+    # optimizer's state; the optimizer steps on the host, FSDP copies each unit's shard to the
+    # device to gather it).
+    offload: str = "none"
     # The output head and the loss are computed this many tokens at a time, so that the logits of at
     # most one chunk exist (null: the plain loss on a microbatch's whole logits, for reference).
     loss_chunk_tokens: Optional[int] = 2048
@@ -277,6 +281,9 @@ class PlanConfig:
     # The hardware a recipe is sized for: scripts/plan.py's defaults for --device and --world.
     device: Optional[str] = None
     world_size: Optional[int] = None
+    # GiB of host memory a node has for what training.offload puts there (null: the machine's at
+    # launch, the device table's node in scripts/plan.py).
+    host_memory_gib: Optional[float] = None
 
 
 @dataclass

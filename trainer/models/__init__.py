@@ -104,8 +104,10 @@ def build_model(spec: str | Mapping | ModelConfig, *, device: str | torch.device
     return model
 
 
-def materialize(model: nn.Module, device: str | torch.device) -> None:
-    """Allocates a meta model's storage on `device`, keeping tied parameters tied.
+def materialize(model: nn.Module, device: str | torch.device,
+                params_on: str | torch.device | None = None) -> None:
+    """Allocates a meta model's storage on `device` (its parameters on `params_on` where given:
+    the host, for FSDP's offload), keeping tied parameters tied.
 
     `to_empty` gives every module a fresh Parameter, which unties e.g. the embedding and output.
     """
@@ -113,7 +115,11 @@ def materialize(model: nn.Module, device: str | torch.device) -> None:
     for module in model.modules():
         for attr, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append((module, attr))
-    model.to_empty(device=device)
+    model.to_empty(device=params_on or device)
+    if params_on is not None:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
     for (first, first_attr), *others in owners.values():
         for module, attr in others:
             setattr(module, attr, getattr(first, first_attr))
@@ -131,8 +137,11 @@ def init_weights(model: nn.Module, seed: int) -> None:
     for buffer in model.buffers():
         buffer.zero_()
     for name, param in model.named_parameters():
-        local = local_tensor(param)
-        full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+        # drawn on the compute device, wherever the shard lives (the host, under FSDP's offload):
+        # the same values either way
+        device = (param.device_mesh.device_type if isinstance(param, DTensor)
+                  else local_tensor(param).device)
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
         std = adapter_std(name, param.shape) if is_adapter(name) else model.init_std(name)
         if std is None:
             full.fill_(1.0)

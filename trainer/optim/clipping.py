@@ -42,8 +42,10 @@ def clip_and_sum_loss_(parameters, max_norm: float, loss: torch.Tensor | None = 
         torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2 / copies
         for copies, grads in by_copies.items()
     )
-    summed = squares if loss is None else torch.stack([squares,
-                                                       loss.detach().double().to(squares.device)])
+    # On the loss's device: under FSDP's offload the gradients, and so their squares, are on the
+    # host, where NCCL cannot reduce.
+    summed = squares if loss is None else torch.stack([squares.to(loss.device),
+                                                       loss.detach().double()])
     if world > 1:
         dist.all_reduce(summed)
     total = summed.reshape(-1)[0].sqrt().float()

@@ -38,6 +38,7 @@ class ParallelOptions:
     float8_all_gather: bool = False  # FSDP gathers the float8 layers' weights in float8
     # tensor parallel casts the float8 layers' inputs before it gathers them
     float8_tp: bool = False
+    offload: str = "none"  # training.offload
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: ParallelOptions,
@@ -72,6 +73,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
     # FSDP also runs on a one-rank mesh: one code path for every layout, and its mixed precision.
     apply_fsdp(model, list(blocks.values()), embedding, spec.head_modules(model), dims.fsdp_mesh,
                options.param_dtype, options.reduce_dtype, pipelined=dims.pp_enabled,
-               expert_mesh=dims.expert_fsdp_mesh if dims.ep_enabled else None)
+               expert_mesh=dims.expert_fsdp_mesh if dims.ep_enabled else None,
+               offload=options.offload)
     if options.float8_all_gather and dist.get_backend() == "gloo":
         gather_bytes_over_gloo(model)

@@ -60,6 +60,7 @@ def build_options(job: JobConfig, dims: ParallelDims, device: torch.device | str
         # bits are the same; only the bytes moved differ.
         float8_tp=gathers_in_float8(float8)
         and (torch.device(device).type == "cuda" or not p.sequence_parallel),
+        offload=t.offload,
     )
     # A step's microbatch losses are averaged; the MoE auxiliary losses' gradients follow suit.
     # Under tensor parallel each tp rank's router sees its slice of the sequence and the router's
@@ -116,7 +117,8 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str],
             quantize_base(part, options.parallel.param_dtype, device)
     parallelize(part, spec, dims, options.parallel, options.model)
     if torch.device(device).type != "meta":
-        materialize(part, device)
+        materialize(part, device, params_on="cpu" if options.parallel.offload == "optimizer"
+                    else None)
         init_weights(part, options.seed)
     set_aux_loss_scale(part, options.aux_loss_scale)
     set_loss_chunk(part, options.loss_chunk_tokens, compiled=options.parallel.compile)

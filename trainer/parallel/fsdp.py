@@ -9,10 +9,28 @@ import math
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from trainer.models.moe import moe_layers
 from trainer.models.nf4 import is_nf4
+
+# training.offload's values: what lives in host memory.
+OFFLOADS = ("none", "optimizer")
+
+
+def offload_policy(offload: str, device_type: str) -> OffloadPolicy:
+    """FSDP's: under `optimizer`, each unit's sharded parameters and gradients live on the host
+    (pinned where the device is a GPU, so the copies overlap compute), and the optimizer, built over
+    them, steps there."""
+    if offload == "optimizer":
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    return OffloadPolicy()
 
 
 def edge_units(embedding: nn.Module | None,
@@ -29,7 +47,7 @@ def edge_units(embedding: nn.Module | None,
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module | None,
                head: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, pipelined: bool = False,
-               expert_mesh: DeviceMesh | None = None) -> None:
+               expert_mesh: DeviceMesh | None = None, offload: str = "none") -> None:
     """Shards `model` over `mesh`: 1-D shards parameters, 2-D (replicate, shard) is HSDP.
     `embedding` and `head` are None and [] where a pipeline stage lacks them.
 
@@ -37,11 +55,14 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module |
     mesh. The embedding and the head are units of their own, so that a large vocabulary's weights
     are gathered only while they are used (unless tied: then both stay in the root).
 
+    `offload`: training.offload (see offload_policy).
+
     Under pipeline parallel, parameters stay gathered from forward to backward: a stage runs
     many microbatches, and the zero-bubble schedules' deferred weight-gradient pass gives wrong
     gradients with parameters re-gathered for backward (measured with torch 2.13).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = offload_policy(offload, mesh.device_type)
     # QLoRA's 4-bit weights are left to FSDP only where it shards them: over one rank, torchao's
     # NF4 tensor does not take FSDP's gather (torchao 0.18).
     ignored = ({p for p in model.parameters() if is_nf4(p)} if mesh.size(mesh.ndim - 1) == 1
@@ -50,7 +71,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], embedding: nn.Module |
     def shard(module: nn.Module | list[nn.Module], reshard: bool, on: DeviceMesh = mesh) -> None:
         sharded = fully_shard(module, mesh=on, mp_policy=mp_policy,
                               reshard_after_forward=reshard and not pipelined,
-                              ignored_params=ignored)
+                              ignored_params=ignored, offload_policy=policy)
         # (a list of modules is one unit, whose state its first module holds)
         (sharded if isinstance(sharded, FSDPModule) else sharded[0]).set_custom_reduce_scatter(
             compute_pool_reduce_scatter(on.size()))

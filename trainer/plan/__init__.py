@@ -29,7 +29,7 @@ from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.plan.devices import Device
 from trainer.plan.layout import holdings
 from trainer.plan.memory import TERMS, RankMemory, gathered_bytes_per_element, rank_memory
-from trainer.plan.time import StepTime, step_time
+from trainer.plan.time import HostTraffic, StepTime, step_time
 from trainer.tensors import DTYPES
 
 GIB = 2**30
@@ -47,14 +47,25 @@ class Plan:
     tokens_per_step: int
     flops_per_token: float
     peak_tflops: float
+    host_memory_gib: float = 0.0  # a node's, for what training.offload puts there (0: unknown)
 
     @property
     def peak(self) -> float:
         return max(r.peak for r in self.ranks)
 
     @property
+    def host_per_node(self) -> float:
+        """Bytes training.offload puts in a node's host memory (its ranks' share each)."""
+        return max(r.host for r in self.ranks) * min(self.world_size, self.device.per_node)
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_per_node or (not self.host_memory_gib or self.host_per_node
+                                          <= self.host_memory_gib * GIB * (1 - MARGIN))
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.device.memory_gib * GIB * (1 - MARGIN)
+        return self.peak <= self.device.memory_gib * GIB * (1 - MARGIN) and self.host_fits
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,13 +88,14 @@ class Plan:
                                                   "cp_ulysses", "tp", "ep")},
             "fits": self.fits,
             "peak_gib": self.peak / GIB,
+            "host_per_node_gib": self.host_per_node / GIB,
             "step_time_s": self.time.step_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
             "time": asdict(self.time),
             "ranks": [
                 {"pp_rank": r.pp_rank,
-                 **{f"{k}_gib": getattr(r, k) / GIB for k in (*TERMS, "peak")}}
+                 **{f"{k}_gib": getattr(r, k) / GIB for k in (*TERMS, "peak", "host")}}
                 for r in self.ranks
             ],
         }
@@ -93,6 +105,13 @@ class Plan:
         `option` (search.fitting_option's advice) first where one fits."""
         if self.fits:
             return
+        if not self.host_fits:
+            raise ConfigError(
+                f"plan: training.offload=optimizer puts {self.host_per_node / GIB:.1f} GiB in "
+                f"each node's host memory, more than {self.host_memory_gib * (1 - MARGIN):.1f} "
+                f"usable of plan.host_memory_gib={self.host_memory_gib:g}; shard over more nodes "
+                "(parallel.dp_shard), set training.offload=none, or raise plan.host_memory_gib "
+                "where the host has more")
         rank = max(self.ranks, key=lambda r: r.peak)
         name, value = rank.largest()
         usable = self.device.memory_gib * (1 - MARGIN)
@@ -152,24 +171,40 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         grad_accum=dims.grad_accum_steps, param_bytes=act_bytes,
         has_loss=any(s.stage == n_stages - 1 for s in stages), selective_policy=t.selective_policy,
         float8=f8, float8_share=costs.float8_params(m), optimizer=optimizer_of(job.optim),
-        state_bytes=STATE_BYTES[job.optim.state_dtype],
+        state_bytes=STATE_BYTES[job.optim.state_dtype], offloaded=offloaded(job, device),
     ) for pp_rank, stages in enumerate(stages_by_rank)]
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
     timing = plan_step_time(job, dims, device, dtype, shapes, share, busiest)
     flops = flops_per_token(m, t.seq_len, frozen_base=job.peft.method is not None)
     return Plan(dims.world_size, device, dims, ranks, timing, t.global_batch_size * t.seq_len,
-                flops, device.peak_tflops(dtype))
+                flops, device.peak_tflops(dtype),
+                host_memory_gib=job.plan.host_memory_gib or device.host_memory_gib)
+
+
+def host_traffic(job: JobConfig, units: list) -> HostTraffic:
+    """What the offload moves a step for a rank holding `units`: their fp32 shards, the gradients
+    of those that train, and the host step's reads (weight, gradient, state) and writes (weight,
+    state)."""
+    trained = sum(u.trained for u in units)
+    state = optimizer_of(job.optim).state_words * STATE_BYTES[job.optim.state_dtype]
+    return HostTraffic(weights=sum(u.sharded for u in units) * FP32, grads=trained * FP32,
+                       step=trained * (3 * FP32 + 2 * state))
+
+
+def offloaded(job: JobConfig, device: Device) -> bool:
+    """Whether training.offload moves the sharded state off the device: not on the CPU, where
+    the host is the device."""
+    return job.training.offload == "optimizer" and device.kind != "cpu"
 
 
 def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: torch.dtype,
                    shapes: Shapes, share: float, busiest: list) -> StepTime:
     """The step time of the pipeline rank holding `busiest` (its stages); `share`: the blocks full
     checkpointing recomputes."""
-    m, t = job.model, job.training
+    m, t, costs = job.model, job.training, family(job.model.family).costs
     schedule = job.parallel.pp_schedule if dims.pp_enabled else None
     f8 = t.float8.recipe if t.float8.enabled else None
-    costs = family(m.family).costs
     counted = costs.flops(m, t.seq_len)
     flops = flops_per_token(m, t.seq_len, frozen_base=job.peft.method is not None)
     tokens_per_step = t.global_batch_size * t.seq_len
@@ -216,6 +251,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         # QLoRA: each 4-bit weight dequantized in forward, backward and a recomputed forward
         memory_bound_bytes=quantized * DEQUANTIZE_TRAFFIC * (2 + share) * dims.grad_accum_steps
         * dims.pp_microbatches,
+        host=host_traffic(job, units) if offloaded(job, device) else None,
     )
     # Attention's share of the compute (its kernels run again only where full checkpointing runs
     # the whole block again).

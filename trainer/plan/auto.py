@@ -24,12 +24,13 @@ from trainer.plan.devices import DEVICES, Device, cpu_device, local_device
 from trainer.plan.profiles import get_device, profile_path
 from trainer.plan.search import apply_overrides, describe_overrides, search
 
-# What the search chooses (the optimizer's state dtype only where no layout fits without
-# bfloat16's); any of them given on the command line is kept as given.
+# What the search chooses (the memory options, the optimizer's state dtype and the offload, only
+# where no layout fits without); any of them given on the command line is kept as given.
 CHOSEN = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.cp_method",
           "parallel.cp_ulysses", "parallel.tp", "parallel.pp", "parallel.ep",
           "parallel.pp_schedule", "parallel.pp_stages_per_rank", "parallel.pp_microbatches",
-          "training.activation_checkpoint", "training.grad_accum_steps", "optim.state_dtype")
+          "training.activation_checkpoint", "training.grad_accum_steps", "optim.state_dtype",
+          "training.offload")
 # A CPU rank's figures where no profile is named: one thread a rank with a core to itself on the
 # 2-core development box (2026-11-27: a 512-wide matmul, a gloo all-reduce between 2 processes).
 CPU_FIGURES = cpu_device(0.0, bf16_tflops=0.2, fp32_tflops=0.1, gbps=1.4, ranks=1)

@@ -59,23 +59,34 @@ class Device:
     # outnumber the cores: 1 - cores / ranks): a pipeline bubble up to this share costs no time.
     lent_idle: float = 0.0
     memory_gbps: float = 0.0  # memory bandwidth per device (0: unknown, memory-bound work untimed)
+    # The host, for training.offload: GB/s one way between a device and host memory (PCIe), the
+    # host memory of a node (GiB), and the GB/s of state a rank's optimizer step on the host streams
+    # through (its share of the node's memory bandwidth and cores; 0: unknown, untimed).
+    host_gbps: float = 0.0
+    host_memory_gib: float = 0.0
+    host_step_gbps: float = 0.0
 
     def peak_tflops(self, dtype: torch.dtype) -> float:
         return self.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_tflops
 
 
+# The host of an 8-GPU node (DGX-like): 2 TB of memory, PCIe Gen5 x16 per GPU (Gen4 on A100s), and
+# a rank's share of two sockets' memory bandwidth (about 600 GB/s nominal) for its optimizer step,
+# taken at a third: torch's fused AdamW on CPU threads. Estimates, not measured on such a node.
+HOST = {"host_memory_gib": 1900.0, "host_step_gbps": 25.0}
 # Memory is what CUDA reports as total for one device, less about 1.5 GiB the context takes.
 DEVICES = {
     # H100 SXM 80GB, NVLink 4, 400 Gb/s NIC per GPU
     "h100": Device("h100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA H100 80GB HBM3"], 494.0, 450.0, 50.0, 8,
-                   fp8_tflops=1979.0, memory_gbps=3350.0),
+                   fp8_tflops=1979.0, memory_gbps=3350.0, host_gbps=64.0, **HOST),
     "h200": Device("h200", 138.0, CUDA_PEAK_TFLOPS["NVIDIA H200"], 494.0, 450.0, 50.0, 8,
-                   fp8_tflops=1979.0, memory_gbps=4800.0),  # H200 SXM 141GB
+                   fp8_tflops=1979.0, memory_gbps=4800.0, host_gbps=64.0, **HOST),  # H200 SXM 141GB
     # A100 SXM 80GB, NVLink 3, 200 Gb/s NIC
     "a100": Device("a100", 78.0, CUDA_PEAK_TFLOPS["NVIDIA A100-SXM4-80GB"], 156.0, 300.0, 25.0, 8,
-                   memory_gbps=2039.0),
+                   memory_gbps=2039.0, host_gbps=32.0, **HOST),
     "b200": Device("b200", 178.0, CUDA_PEAK_TFLOPS["NVIDIA B200"], 1125.0, 900.0, 50.0, 8,
-                   fp8_tflops=4500.0, memory_gbps=8000.0),  # B200 180GB, NVLink 5
+                   fp8_tflops=4500.0, memory_gbps=8000.0, host_gbps=64.0,
+                   **HOST),  # B200 180GB, NVLink 5
 }
 
 
@@ -188,5 +199,6 @@ def local_device(device: torch.device, local_ranks: int) -> Device:
         props = torch.cuda.get_device_properties(device)
         name = next((key for key in DEVICES if key in props.name.lower()), None)
         base = DEVICES[name] if name else Device(props.name, 0.0, 0.0, 0.0, 0.0, 0.0, 8)
-        return replace(base, memory_gib=props.total_memory / 2**30)
+        return replace(base, memory_gib=props.total_memory / 2**30,
+                       host_memory_gib=available_memory_gib())
     return cpu_device(available_memory_gib() / local_ranks, 0.0, 0.0, 2.0, local_ranks)

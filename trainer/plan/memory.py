@@ -33,16 +33,21 @@ class RankMemory:
     gathered: float  # parameters FSDP holds unsharded (compute dtype)
     activations: float  # saved for backward, at the start of backward
     buffers: float  # communication and transient buffers
-    peak: float  # the larger of the two moments
+    peak: float  # the larger of the two moments, on the device
+    # in host memory (training.offload=optimizer): params, grads and optimizer, not in `peak`
+    host: float = 0.0
 
     def largest(self) -> tuple[str, float]:
-        terms = {k: getattr(self, k) for k in TERMS}
+        """The largest term on the device."""
+        terms = {k: getattr(self, k) for k in TERMS if not (self.host and k in HOST_TERMS)}
         name = max(terms, key=terms.get)
         return name, terms[name]
 
 
 # A rank's memory terms, in the order a plan reports them (its peak after them).
 TERMS = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
+# The terms training.offload=optimizer keeps on the host.
+HOST_TERMS = ("params", "grads", "optimizer")
 
 
 def gathered_bytes_per_element(param_bytes: int, float8_share: float, float8: str | None) -> float:
@@ -141,11 +146,12 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
                 pp: int, n_microbatches: int, grad_accum: int, param_bytes: int, has_loss: bool,
                 selective_policy: str = "half_mm", float8: str | None = None,
                 float8_share: float = 0.0, optimizer: OptimizerSpec = ADAMW,
-                state_bytes: int = FP32) -> RankMemory:
+                state_bytes: int = FP32, offloaded: bool = False) -> RankMemory:
     """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
     float8 linear layers (the experts' grouped GEMMs are not); `optimizer`: the job's (its state per
     element, and whether it updates the matrices it treats apart whole); `state_bytes`: a state
-    word's (optim.state_dtype's)."""
+    word's (optim.state_dtype's); `offloaded`: the sharded parameters, their gradients and the
+    optimizer's state held in host memory (FSDP's offload; the optimizer steps there)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     trained = sum(u.trained for stage in stages for u in stage.units)  # (LoRA: the adapters)
     quantized = sum(u.quantized for stage in stages for u in stage.units)  # (QLoRA's base)
@@ -177,19 +183,24 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     buffers = backward_buffers(units, stages, blocks, costs, s, activation_checkpoint, float8,
                                in_float8, schedule, in_flight)
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
+    # offloaded: a unit's fp32 shard copied in to be gathered and its reduced gradient before it is
+    # copied out (held gradients stay: unsharded until the last microbatch)
+    sharded_state = (2 * max((u.sharded for u in units), default=0) * FP32 if offloaded
+                     else params + states)
 
-    start_of_backward = params + states + gathered + activations + buffers + held_grads
+    start_of_backward = sharded_state + gathered + activations + buffers + held_grads
     # An update in place, tensor by tensor (the fused AdamW's) holds no temporary worth counting.
     # One that updates each matrix apart whole (Muon: the update takes the gradients' place) holds
     # the matrices this rank updates in one round of the exchange (about as many elements as it
     # holds, at most ROUND_ELEMENTS or the largest matrix) received, gathered, in the iteration and
     # sent back: four copies at most.
-    optimizer_step = params + states + grads
+    optimizer_step = 0.0 if offloaded else params + states + grads
     if apart and optimizer.whole_matrices:
         largest = max(u.apart_largest for stage in stages for u in stage.units)
         optimizer_step += 4 * min(apart, max(ROUND_ELEMENTS, largest)) * FP32
     return RankMemory(pp_rank, params, grads, states, gathered, activations, buffers,
-                      max(start_of_backward, optimizer_step))
+                      max(start_of_backward, optimizer_step),
+                      host=params + grads + states if offloaded else 0.0)
 
 
 def backward_buffers(units: list, stages: list[StageHoldings], blocks: list[int], costs: Costs,

@@ -7,8 +7,10 @@ from __future__ import annotations
 from trainer.checks.ranges import value_of
 from trainer.config.schema import JobConfig
 
-# (section.key -> value): AdamW's moments in bfloat16 halve the optimizer's state
-MEMORY_OPTIONS = ({"optim.state_dtype": "bfloat16"},)
+# (section.key -> value): AdamW's moments in bfloat16 halve the optimizer's state; the offload moves
+# the sharded weights, gradients and optimizer to the host (the step runs there, slower); both.
+MEMORY_OPTIONS = ({"optim.state_dtype": "bfloat16"}, {"training.offload": "optimizer"},
+                  {"optim.state_dtype": "bfloat16", "training.offload": "optimizer"})
 
 
 def options_for(job: JobConfig, pinned: dict[str, str] | None = None) -> list[dict]:

@@ -21,7 +21,7 @@ from trainer.models.moe import moe_layers
 from trainer.models.moe_config import n_experts
 from trainer.optim.spec import state_bytes_bound
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
-from trainer.plan import GIB, MARGIN, Plan, make_plan
+from trainer.plan import GIB, MARGIN, Plan, make_plan, offloaded
 from trainer.plan.devices import Device
 from trainer.plan.options import options_for
 
@@ -148,12 +148,14 @@ def _what_fits(job: JobConfig, gpus: int, device: Device, pinned: dict[str, str]
 
 def fitting_option(job: JobConfig, dims, device: Device) -> str | None:
     """`it fits with KEY=VALUE (peak N GiB)` for the first memory option that makes `job`, laid
-    out as `dims`, fit; None where none does."""
+    out as `dims`, fit (and `, N% lower tokens/s` where it costs speed); None where none does."""
     for option, opted in _options(job):
         plan = make_plan(opted, dims, device)
         if plan.fits:
             said = " ".join(f"{key}={value}" for key, value in option.items())
-            return f"it fits with {said} (peak {plan.peak / GIB:.1f} GiB)"
+            slower = 1 - plan.tokens_per_s / make_plan(job, dims, device).tokens_per_s
+            cost = f", {100 * slower:.0f}% lower tokens/s" if slower >= 0.005 else ""
+            return f"it fits with {said} (peak {plan.peak / GIB:.1f} GiB{cost})"
     return None
 
 
@@ -182,8 +184,10 @@ def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
     counts, usable = parameter_counts(job), device.memory_gib * GIB * (1 - MARGIN)
-    # (LoRA: the frozen base alone, in the compute dtype, at least 2 bytes)
-    per_param = 2.0 if job.peft.method is not None else state_bytes_bound(job.optim)
+    # (LoRA: the frozen base alone, in the compute dtype, at least 2 bytes; offloaded to the host,
+    # no bound: the device holds a few units gathered)
+    per_param = (0.0 if offloaded(job, device) else 2.0 if job.peft.method is not None
+                 else state_bytes_bound(job.optim))
     for layout in candidates(job, gpus, device):
         if states_bound(counts, layout, per_param) > usable:
             rejected["parameter states over the memory"] += 1
@@ -235,7 +239,7 @@ def describe_overrides(overrides: dict) -> str:
              "parallel.cp": "cp", "parallel.pp": "pp", "parallel.ep": "ep",
              "training.activation_checkpoint": "ac", "training.grad_accum_steps": "accum",
              "parallel.pp_microbatches": "mb", "parallel.pp_schedule": "sched",
-             "optim.state_dtype": "state"}
+             "optim.state_dtype": "state", "training.offload": "offload"}
     parts = []
     for key, value in overrides.items():
         if key == "parallel.pp_stages_per_rank" or (key == "parallel.ep" and value == 1):

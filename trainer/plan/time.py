@@ -24,10 +24,30 @@ class StepTime:
     cp_s: float  # the ring's K/V passes (half hidden behind the blocks' attention)
     ep_s: float  # expert all-to-alls (exposed)
     pp_s: float  # stage-to-stage sends (exposed)
-    optimizer_s: float  # Muon's Newton-Schulz iterations and its exchange of matrices (exposed)
+    # Muon's Newton-Schulz iterations and its exchange of matrices; the optimizer's step on the host
+    # under training.offload (exposed)
+    optimizer_s: float
     bubble: float  # the pipeline's idle share of the step
     step_s: float
     attention_s: float = 0.0  # of compute_s, attention's kernels (scores and values)
+    host_s: float = 0.0  # training.offload's copies over the host link (beside FSDP's, overlapped)
+
+
+@dataclass(frozen=True)
+class HostTraffic:
+    """training.offload's bytes a step: the weights' fp32 shards each gather copies in and the
+    reduced gradients copied out over the host link (on FSDP's streams, beside its collectives),
+    and what the optimizer's step on the host reads and writes."""
+
+    weights: float
+    grads: float
+    step: float
+
+    def seconds(self, device: Device, gathers: int) -> tuple[float, float]:
+        """(the link's seconds a step, the host step's)."""
+        link = device.host_gbps * device.link_efficiency * 1e9
+        return ((self.weights * gathers + self.grads) / link,
+                self.step / (device.host_step_gbps * 1e9))
 
 
 def spans_nodes(inner: int, size: int, per_node: int) -> bool:
@@ -71,24 +91,23 @@ def optimizer_seconds(device: Device, flops: float, tflops: float, share: float,
 def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float, dims,
               gathered_bytes: float, grad_bytes: float, sharded_grad_bytes: float,
               act_stream_bytes: float, kv_bytes: float, expert_bytes: float, layers_per_rank: float,
-              ulysses_bytes: float = 0.0,
-              microbatches_per_rank: int, recompute: float, selective: bool, schedule: str | None,
-              per_rank_stages: int, n_microbatches: int, moe: bool = False,
+              ulysses_bytes: float = 0.0, microbatches_per_rank: int, recompute: float,
+              selective: bool, schedule: str | None, per_rank_stages: int, n_microbatches: int,
+              moe: bool = False,
               optimizer_flops: float = 0.0, optimizer_tflops: float = 0.0,
-              exchanged_bytes: float = 0.0, memory_bound_bytes: float = 0.0) -> StepTime:
+              exchanged_bytes: float = 0.0, memory_bound_bytes: float = 0.0,
+              host: HostTraffic | None = None) -> StepTime:
     """`*_bytes` are per microbatch and per layer where that is how they move (see plan.py);
-    `recompute` is the share of blocks whose forward runs again in backward. The optimizer's own
-    work: this rank's FLOPs a step (Muon's Newton-Schulz iterations), at `optimizer_tflops` peak,
-    and the bytes of matrix pieces it sends to their owners (and receives back) over the FSDP x tp
-    group. `memory_bound_bytes`: the memory traffic a step's work adds beside the FLOPs (QLoRA's
-    dequantization), at the device's memory bandwidth."""
+    `recompute`: the share of blocks whose forward runs again in backward. The optimizer's own work:
+    this rank's FLOPs (Muon's Newton-Schulz), at `optimizer_tflops`, and the matrix pieces it sends
+    to their owners and back over FSDP x tp. `memory_bound_bytes`: the memory traffic beside the
+    FLOPs (QLoRA's dequantization). `host`: training.offload's traffic."""
     tp, cp, dp_shard, dp_rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
     share = layout_share(device, dims)
     moe_share = MOE_EFFICIENCY[device.kind] if moe else 1.0
     tp_share = device.efficiency.tp if tp > 1 else 1.0
     peak = dtype_peak_tflops * 1e12 * share * moe_share * tp_share
-    # nan: the device's peak is unknown
-    compute = flops_per_rank / peak if peak > 0 else float("nan")
+    compute = flops_per_rank / peak if peak > 0 else float("nan")  # nan: the peak is unknown
     if device.memory_gbps:
         compute += memory_bound_bytes / (device.memory_gbps * 1e9)
 
@@ -124,9 +143,11 @@ def step_time(*, flops_per_rank: float, device: Device, dtype_peak_tflops: float
                      - device.lent_idle)
     optimizer_s = optimizer_seconds(device, optimizer_flops, optimizer_tflops, share,
                                     exchanged_bytes, fsdp_ranks * tp)
-    exposed = max(compute, fsdp) + tp_s + cp_s + ep_s + pp_s + optimizer_s
+    host_s, host_step_s = host.seconds(device, gathers) if host else (0.0, 0.0)
+    optimizer_s += host_step_s  # (exposed: the device waits for the host's step)
+    exposed = max(compute, fsdp + host_s) + tp_s + cp_s + ep_s + pp_s + optimizer_s
     return StepTime(compute, fsdp, tp_s, cp_s, ep_s, pp_s, optimizer_s, bubble,
-                    exposed / (1 - bubble))
+                    exposed / (1 - bubble), host_s=host_s)
 
 
 def cp_seconds(device: Device, dims, kv_bytes: float, ulysses_bytes: float, passes: float,

@@ -34,6 +34,7 @@ from trainer.parallel.dims import ParallelDims
 from trainer.run.passes import Passes, job_loss, supervised_count, supervised_scale
 from trainer.run.stop import StopRequest
 from trainer.step_parts import StepPart, StepParts
+from trainer.tensors import local_tensor
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Trainer:
         self.first_step = self.step + 1  # the first step this run trains
         # The first step trained, once one is (a quorum may move the run before it).
         self.first_trained: int | None = None
+        # where the optimizer's weights are: the device, or the host under FSDP's offload
+        self.state_device = local_tensor(next(self.model.parameters())).device
 
     def fit(self) -> None:
         """Trains up to training.steps, or until a signal stops the run."""
@@ -107,8 +110,9 @@ class Trainer:
         skip = self.guard.check(step, loss_sum / self.passes.loss_ranks, grad_norm)
         self.step_parts.before_optimizer_step(step, skip, self.passes.microbatches * len(rounds))
         lr = self.scheduler.get_last_lr()[0]
-        # The fused AdamW leaves weights, moments and step count as they were when found_inf is 1.
-        self.optimizer.found_inf = skip
+        # The fused AdamW leaves weights, moments and step count as they were when found_inf is 1
+        # (on the host with the weights, under training.offload=optimizer).
+        self.optimizer.found_inf = skip.to(self.state_device)
         counted = self.replicas.commit(self.update)
         self.optimizer.zero_grad(set_to_none=True)
         self.step_parts.after_step(step)
