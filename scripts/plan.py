@@ -219,22 +219,24 @@ def format_plan(plan, job) -> str:
     usable = plan.device.memory_gib * 0.9
     verdict = "fits" if plan.fits else "does NOT fit"
     tm = plan.time
-    offloaded = plan.host_per_node > 0
+    offload = plan.ranks[0].offload
     lines += [
         "",
         f"peak {plan.peak / GIB:.1f} GiB of {usable:.1f} usable: {verdict}"
-        + (" (params, grads and optim on the host)" if offloaded else ""),
+        + {"optimizer": " (params, grads and optim on the host)",
+           "activations": " (activations but three blocks' on the host)"}.get(offload, ""),
         f"step {tm.step_s:.2f} s (compute {tm.compute_s:.2f}, attention {tm.attention_s:.2f} of "
         f"it, fsdp {tm.fsdp_s:.2f} overlapped, tp {tm.tp_s:.2f}, cp {tm.cp_s:.2f}, ep "
         f"{tm.ep_s:.2f}, pp {tm.pp_s:.2f}, bubble {100 * tm.bubble:.0f}%)",
         f"{plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%",
     ]
-    if offloaded:
+    if plan.host_per_node:
         lines.append(f"host: {plan.host_per_node / GIB:.1f} GiB a node of "
                      f"{plan.host_memory_gib:.0f} (plan.host_memory_gib); its link "
                      f"{tm.host_s:.2f} s a step beside fsdp's")
     if tm.optimizer_s:
-        work = "the step on the host" if offloaded else optimizer_of(job.optim).step_work
+        work = ("the step on the host" if offload == "optimizer"
+                else optimizer_of(job.optim).step_work)
         lines.append(f"optimizer: {tm.optimizer_s:.2f} s of the step "
                      f"({100 * tm.optimizer_s / tm.step_s:.1f}%: {work}), in the step above")
     return "\n".join(lines)

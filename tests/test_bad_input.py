@@ -146,7 +146,8 @@ MISTAKES = {
                                 r"optim.state_dtype=bfloat16 is not optim.name=muon's; it takes "
                                 r"\['float32'\]"),
     "an unknown offload": (lambda p: ["training.offload=gradients"],
-                           r"training.offload=gradients must be one of \['none', 'optimizer'\]"),
+                           r"training.offload=gradients must be one of \['none', 'optimizer', "
+                           r"'activations'\]"),
     "optimizer offload with Muon": (lambda p: ["optim=muon", "training.offload=optimizer"],
                                     r"training.offload=optimizer cannot be combined with "
                                     r"optim.name=muon: its collectives"),
@@ -154,6 +155,11 @@ MISTAKES = {
                                                  "training.float8.enabled=true"],
                                       r"training.offload=optimizer cannot be combined with "
                                       r"training.float8.enabled=true"),
+    "activation offload with checkpointing": (lambda p: ["training.offload=activations",
+                                                         "training.activation_checkpoint=full"],
+                                              r"training.offload=activations cannot be combined "
+                                              r"with training.activation_checkpoint=full: a "
+                                              r"checkpointed block keeps only"),
     "unknown optimizer": (lambda p: ["optim=sgd"],
                           r"optim=sgd is not a known optim; choose one of \['adamw', 'muon'"),
     "unknown optimizer name": (lambda p: ["optim.name=adafactor"],

@@ -71,7 +71,10 @@ LAYOUTS = {
     "fsdp2_ac_selective_ops": (2, ["+recipe=llama_fsdp", "training.activation_checkpoint=selective",
                                    "training.selective_policy=ops"]),
     "tp2": (2, ["+recipe=llama_tp2"]),
-    "tp2_fsdp2": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
+    # what each block saves for backward held in host memory (training.offload=activations): with
+    # tp and FSDP, and with pp and HSDP (many microbatches' in flight)
+    "tp2_fsdp2_offload_activations": (4, ["+recipe=llama_tp2", "parallel.dp_shard=2",
+                                          "training.offload=activations"]),
     "tp2_hsdp2x1_offload": (4, ["+recipe=llama_tp2", "parallel.dp_replicate=2",
                                 "parallel.dp_shard=1", "training.offload=optimizer"]),
     "tp2_no_sp_no_lp": (2,
@@ -84,7 +87,8 @@ LAYOUTS = {
                                    "training.activation_checkpoint=selective"]),
     **{f"pp2_{s}": (2, ["+recipe=llama_fsdp", "parallel.pp=2", f"parallel.pp_schedule={s}"])
        for s in PP_SCHEDULES},
-    "pp2_hsdp2x1": (4, ["+recipe=llama_hsdp", "parallel.pp=2"]),
+    "pp2_hsdp2x1_offload_activations": (4, ["+recipe=llama_hsdp", "parallel.pp=2",
+                                            "training.offload=activations"]),
     "pp2_accum2_offload": (2, ["+recipe=llama_fsdp", "parallel.pp=2", "training.grad_accum_steps=2",
                                "training.offload=optimizer"]),
     "pp2_interleaved_1f1b_ac_selective_compile": (2, ["+recipe=llama_fsdp", "parallel.pp=2",

@@ -259,6 +259,8 @@ CASES += [(layout, "selective") for layout in (*SELECTIVE, "deepseek_v3_ep2")]
 # The other selective policy (ops: every matmul's output kept), where the policies differ most.
 OPS = ("fsdp2", "tp2")
 CASES += [(layout, "selective_ops") for layout in OPS]
+# No checkpointing, the activations on the host (training.offload=activations).
+CASES += [("fsdp2", "offload")]
 _measured: dict[tuple[str, str], float] = {}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -271,6 +273,8 @@ def case(layout: str, ac: str) -> tuple[int, bool, tuple[str, ...]]:
     mode, _, policy = ac.partition("_")
     checkpointing = (f"training.activation_checkpoint={mode}",
                      f"training.selective_policy={policy or 'half_mm'}")
+    if ac == "offload":
+        checkpointing = ("training.offload=activations",)
     return ranks, timed, (*overrides, *SIZE, f"training.steps={steps}", *checkpointing)
 
 
@@ -435,6 +439,16 @@ def test_the_offload_moves_the_sharded_state_to_the_host_and_its_cost_is_said(ca
         make_plan(small, dims, device).check_fits()
     cpu = get_device("cpu", 8.0, 1)
     assert make_plan(job, dims, cpu).ranks[0] == make_plan(job_of(*overrides), dims, cpu).ranks[0]
+    # The activations on the host instead: all but three blocks' leave the device, and their
+    # copies out and back cost more than full checkpointing's recompute on an H100's PCIe link.
+    acts = job_of("+recipe=llama_fsdp", "training.activation_checkpoint=none",
+                  "training.offload=activations")
+    offloaded, held = make_plan(acts, check_job(acts, 8), get_device("h100", None, 8)), make_plan(
+        job_of("+recipe=llama_fsdp", "training.activation_checkpoint=none"), check_job(acts, 8),
+        get_device("h100", None, 8))
+    rank = offloaded.ranks[0]
+    assert rank.activations + rank.host == pytest.approx(held.ranks[0].activations)
+    assert rank.activations < held.ranks[0].activations / 4 and offloaded.time.host_s > 0
     # The search takes it where nothing fits without it.
     code, out, _ = run_plan(capsys, *overrides, "--search", "--gpus", "1", "--device", "h100",
                             "--top", "1")

@@ -20,3 +20,13 @@ def param_dtype(mixed_precision, device: torch.device | str) -> torch.dtype:
     if name == "auto":
         name = "bfloat16" if torch.device(device).type == "cuda" else "float32"
     return DTYPES[name]
+
+
+# Called with each tensor made to hold data in host memory in the device's place (the activation
+# offload's copies): on the CPU, where the host is the device, the memory count sets them apart.
+HOST_COPY_LISTENERS: list = []
+
+
+def note_host_copy(tensor: torch.Tensor) -> None:
+    for listener in HOST_COPY_LISTENERS:
+        listener(tensor)

@@ -9,7 +9,7 @@ from trainer.float8 import RECIPES as FLOAT8_RECIPES
 from trainer.optim.spec import check_state_dtype, optimizer_of
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
 from trainer.parallel.activation_checkpoint import POLICIES as SELECTIVE_POLICIES
-from trainer.parallel.fsdp import OFFLOADS
+from trainer.parallel.offload import OFFLOADS
 from trainer.tensors import DTYPES
 
 
@@ -106,15 +106,25 @@ def check_ranges(job: JobConfig) -> None:
 
 
 def check_offload(job: JobConfig) -> None:
-    """training.offload=optimizer with what keeps its own work on the device's links."""
-    if job.training.offload == "none":
-        return
-    others = {"training.float8.enabled=true": job.training.float8.enabled,
-              "peft.base_dtype=nf4": job.peft.method is not None and job.peft.base_dtype == "nf4",
-              "fault_tolerance.enabled=true": job.fault_tolerance.enabled,
-              f"optim.name={job.optim.name}": optimizer_of(job.optim).whole_matrices}
-    for key, on in others.items():
+    """training.offload with what it does not compose with: under `optimizer`, what runs its own
+    collectives on the device's copies of the weights, gradients or state; under `activations`,
+    checkpointing (a checkpointed block keeps almost nothing to move) and compiled blocks (the
+    offload's hooks run eagerly)."""
+    t = job.training
+    copies = "its collectives run on the device's copies of the weights, gradients or state"
+    others = {
+        "optimizer": {"training.float8.enabled=true": (t.float8.enabled, copies),
+                      "peft.base_dtype=nf4": (job.peft.method is not None
+                                              and job.peft.base_dtype == "nf4", copies),
+                      "fault_tolerance.enabled=true": (job.fault_tolerance.enabled, copies),
+                      f"optim.name={job.optim.name}": (optimizer_of(job.optim).whole_matrices,
+                                                       copies)},
+        "activations": {f"training.activation_checkpoint={t.activation_checkpoint}": (
+                            t.activation_checkpoint != "none",
+                            "a checkpointed block keeps only what it recomputes from"),
+                        "training.compile=true": (t.compile, "its hooks run eagerly")},
+    }.get(t.offload, {})
+    for key, (on, why) in others.items():
         if on:
-            raise ConfigError(f"training.offload={job.training.offload} cannot be combined with "
-                              f"{key}: its collectives run on the device's copies of the weights, "
-                              "gradients or state; drop one of the two")
+            raise ConfigError(f"training.offload={t.offload} cannot be combined with {key}: {why}; "
+                              "drop one of the two")

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from trainer.step_parts import StepPart
+from trainer.tensors import HOST_COPY_LISTENERS
 
 GIB = 2**30
 # Steps the CPU's count runs for: the second holds all a step ever holds (the optimizer's state
@@ -38,6 +39,7 @@ class TensorMemory(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id of a live storage -> its bytes
         self._refs: dict[int, weakref.ref] = {}
         self._active = False
+        self._peak_before = 0  # the peak before the latest count raised it
 
     def add(self, tensors) -> None:
         """Counts tensors made before tracking began (the model's parameters)."""
@@ -69,7 +71,17 @@ class TensorMemory(TorchDispatchMode):
     def _resized(self, key: int, nbytes: int) -> None:
         self.live += nbytes - self._sizes[key]
         self._sizes[key] = nbytes
-        self.peak = max(self.peak, self.live)
+        self._peak_before, self.peak = self.peak, max(self.peak, self.live)
+
+    def host_copy(self, t: torch.Tensor) -> None:
+        """Sets apart `t`, just made (training.offload=activations' copy in host memory): its bytes
+        leave the count, and the peak its allocation set."""
+        key = id(t.untyped_storage())
+        if key in self._sizes:
+            if self.peak == self.live:
+                self.peak = self._peak_before
+            self.live -= self._sizes[key]
+            self._sizes[key] = 0
 
     def _free(self, key: int) -> None:
         self._refs.pop(key, None)
@@ -94,11 +106,13 @@ class TensorMemory(TorchDispatchMode):
         """Counts from now on, on this thread, until `stop`."""
         self.__enter__()
         self._active = True
+        HOST_COPY_LISTENERS.append(self.host_copy)
 
     def stop(self) -> None:
         """Stops counting (once; later calls do nothing). The peak so far is kept."""
         if self._active:
             self._active = False
+            HOST_COPY_LISTENERS.remove(self.host_copy)
             self.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

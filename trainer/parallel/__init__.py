@@ -19,6 +19,7 @@ from trainer.parallel.context_parallel import apply_cp
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import parallelize_moe
 from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.offload import ActivationOffload
 from trainer.parallel.tensor_parallel import apply_tp
 
 
@@ -65,6 +66,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, options: 
         # parallel it is also a collective's pending result, past which a compiled block returns its
         # gradient, lost to the embedding (torch 2.13).
         embedding.register_forward_hook(lambda module, args, output: output.clone())
+    if options.offload == "activations":
+        device = dims.fsdp_mesh.device_type
+        ActivationOffload(torch.device(device, torch.cuda.current_device()) if device == "cuda"
+                          else torch.device(device)).attach(list(blocks.values()))
     if options.compile:
         for block in blocks.values():
             block.compile()

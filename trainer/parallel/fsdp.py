@@ -20,9 +20,6 @@ from torch.distributed.fsdp import (
 from trainer.models.moe import moe_layers
 from trainer.models.nf4 import is_nf4
 
-# training.offload's values: what lives in host memory.
-OFFLOADS = ("none", "optimizer")
-
 
 def offload_policy(offload: str, device_type: str) -> OffloadPolicy:
     """FSDP's: under `optimizer`, each unit's sharded parameters and gradients live on the host

@@ -171,7 +171,7 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
         grad_accum=dims.grad_accum_steps, param_bytes=act_bytes,
         has_loss=any(s.stage == n_stages - 1 for s in stages), selective_policy=t.selective_policy,
         float8=f8, float8_share=costs.float8_params(m), optimizer=optimizer_of(job.optim),
-        state_bytes=STATE_BYTES[job.optim.state_dtype], offloaded=offloaded(job, device),
+        state_bytes=STATE_BYTES[job.optim.state_dtype], offload=offload_on(job, device),
     ) for pp_rank, stages in enumerate(stages_by_rank)]
     # The busiest pipeline rank sets the pace.
     busiest = max(stages_by_rank, key=lambda stages: sum(s.layers for s in stages))
@@ -182,20 +182,30 @@ def make_plan(job: JobConfig, dims: ParallelDims, device: Device, expert_load: f
                 host_memory_gib=job.plan.host_memory_gib or device.host_memory_gib)
 
 
-def host_traffic(job: JobConfig, units: list) -> HostTraffic:
-    """What the offload moves a step for a rank holding `units`: their fp32 shards, the gradients
-    of those that train, and the host step's reads (weight, gradient, state) and writes (weight,
-    state)."""
+def host_traffic(job: JobConfig, offload: str, units: list, stages: list, shapes: Shapes,
+                 microbatches: int) -> HostTraffic | None:
+    """What `offload` moves a step for a rank holding `stages` (their FSDP `units`). optimizer:
+    the units' fp32 shards, the gradients of those that train, and the host step's reads (weight,
+    gradient, state) and writes (weight, state); activations: what every block saves, out in forward
+    and back in backward, for each of the `microbatches` each stage runs."""
+    if offload == "activations":
+        costs = family(job.model.family).costs
+        saved = sum(costs.activation_bytes(shapes, i) for stage in stages for i in stage.blocks)
+        return HostTraffic(weights=0.0, grads=0.0, step=0.0, activations=2 * saved * microbatches)
+    if offload != "optimizer":
+        return None
     trained = sum(u.trained for u in units)
     state = optimizer_of(job.optim).state_words * STATE_BYTES[job.optim.state_dtype]
     return HostTraffic(weights=sum(u.sharded for u in units) * FP32, grads=trained * FP32,
                        step=trained * (3 * FP32 + 2 * state))
 
 
-def offloaded(job: JobConfig, device: Device) -> bool:
-    """Whether training.offload moves the sharded state off the device: not on the CPU, where
-    the host is the device."""
-    return job.training.offload == "optimizer" and device.kind != "cpu"
+def offload_on(job: JobConfig, device: Device) -> str:
+    """training.offload as it moves bytes on `device`: on the CPU, where the host is the device, the
+    optimizer's moves nothing (FSDP's host copies are the tensors themselves; the activations'
+    copies the memory count sets apart)."""
+    offload = job.training.offload
+    return "none" if offload == "optimizer" and device.kind == "cpu" else offload
 
 
 def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: torch.dtype,
@@ -208,6 +218,7 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
     counted = costs.flops(m, t.seq_len)
     flops = flops_per_token(m, t.seq_len, frozen_base=job.peft.method is not None)
     tokens_per_step = t.global_batch_size * t.seq_len
+    n_microbatches = dims.grad_accum_steps * dims.pp_microbatches  # a step's, on each stage
     # Full checkpointing runs a block's forward again (4/3 of the work: forward 1, backward 2); a
     # zero-bubble schedule's split backward runs it twice more (5/3, see memory.py). Selective
     # checkpointing recomputes element-wise work, not counted in the FLOPs, and under half_mm some
@@ -236,25 +247,22 @@ def plan_step_time(job: JobConfig, dims: ParallelDims, device: Device, dtype: to
         grad_bytes=sum(u.trained_gathered for u in units) * FP32,
         sharded_grad_bytes=sum(u.trained for u in units) * FP32,
         act_stream_bytes=stream, kv_bytes=costs.context_bytes(shapes),
-        ulysses_bytes=costs.ulysses_bytes(shapes),
-        expert_bytes=costs.expert_bytes(shapes),
+        ulysses_bytes=costs.ulysses_bytes(shapes), expert_bytes=costs.expert_bytes(shapes),
         layers_per_rank=sum(s.layers for s in busiest) / len(busiest),
-        microbatches_per_rank=dims.grad_accum_steps * dims.pp_microbatches * len(busiest),
+        microbatches_per_rank=n_microbatches * len(busiest),
         recompute=share, selective=t.activation_checkpoint == "selective", schedule=schedule,
         per_rank_stages=dims.pp_stages_per_rank,
         # Under pipeline parallel a step's accumulation steps are microbatches of one schedule run.
-        n_microbatches=dims.grad_accum_steps * dims.pp_microbatches, moe=n_experts(m) > 0,
+        n_microbatches=n_microbatches, moe=n_experts(m) > 0,
         optimizer_flops=sum(u.apart_flops for u in units),
         optimizer_tflops=device.peak_tflops(optimizer.matrix_dtype(job.optim, device.kind)),
         exchanged_bytes=sum(u.apart_moved for u in units) * FP32 if optimizer.whole_matrices
         else 0.0,
         # QLoRA: each 4-bit weight dequantized in forward, backward and a recomputed forward
-        memory_bound_bytes=quantized * DEQUANTIZE_TRAFFIC * (2 + share) * dims.grad_accum_steps
-        * dims.pp_microbatches,
-        host=host_traffic(job, units) if offloaded(job, device) else None,
+        memory_bound_bytes=quantized * DEQUANTIZE_TRAFFIC * (2 + share) * n_microbatches,
+        host=host_traffic(job, offload_on(job, device), units, busiest, shapes, n_microbatches),
     )
     # Attention's share of the compute (its kernels run again only where full checkpointing runs
     # the whole block again).
     attention = counted.attention * (3 + (2 if schedule in ZERO_BUBBLE else 1) * share)
-    return replace(timed, attention_s=timed.compute_s * attention
-                               / (flops * (3 + extra)))
+    return replace(timed, attention_s=timed.compute_s * attention / (flops * (3 + extra)))

@@ -34,12 +34,15 @@ class RankMemory:
     activations: float  # saved for backward, at the start of backward
     buffers: float  # communication and transient buffers
     peak: float  # the larger of the two moments, on the device
-    # in host memory (training.offload=optimizer): params, grads and optimizer, not in `peak`
+    # in host memory, not in `peak` nor the terms above but params, grads and optimizer under
+    # training.offload=optimizer
     host: float = 0.0
+    offload: str = "none"  # training.offload, as it applies on the device planned for
 
     def largest(self) -> tuple[str, float]:
         """The largest term on the device."""
-        terms = {k: getattr(self, k) for k in TERMS if not (self.host and k in HOST_TERMS)}
+        terms = {k: getattr(self, k) for k in TERMS
+                 if not (self.offload == "optimizer" and k in HOST_TERMS)}
         name = max(terms, key=terms.get)
         return name, terms[name]
 
@@ -128,6 +131,15 @@ def saved_activations(costs: Costs, s: Shapes, blocks: list[int], n_stages: int,
     return in_flight * per_stage + recomputed  # one block recomputed at a time
 
 
+def offloaded_activations(saved: float, costs: Costs, s: Shapes, blocks: list[int]) -> float:
+    """Of the `saved` bytes, those training.offload=activations holds on the host: all but three
+    blocks' (the one backward is at, the one fetched ahead of it, and the one whose tensors are
+    still going, as its backward frees them or forward's copies end; measured on the CPU: two
+    blocks' kept is 16% under the count)."""
+    largest = sorted((costs.activation_bytes(s, i) for i in blocks), reverse=True)[:3]
+    return max(0.0, saved - sum(largest))
+
+
 def gathered_at_backward(units: list, per_element: dict, schedule: str | None) -> float:
     """Bytes of gathered parameters held at the start of backward (`units` largest first)."""
     if schedule is not None:
@@ -146,12 +158,13 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
                 pp: int, n_microbatches: int, grad_accum: int, param_bytes: int, has_loss: bool,
                 selective_policy: str = "half_mm", float8: str | None = None,
                 float8_share: float = 0.0, optimizer: OptimizerSpec = ADAMW,
-                state_bytes: int = FP32, offloaded: bool = False) -> RankMemory:
+                state_bytes: int = FP32, offload: str = "none") -> RankMemory:
     """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
     float8 linear layers (the experts' grouped GEMMs are not); `optimizer`: the job's (its state per
     element, and whether it updates the matrices it treats apart whole); `state_bytes`: a state
-    word's (optim.state_dtype's); `offloaded`: the sharded parameters, their gradients and the
-    optimizer's state held in host memory (FSDP's offload; the optimizer steps there)."""
+    word's (optim.state_dtype's); `offload`: what training.offload holds in host memory here
+    (optimizer: the sharded parameters, their gradients and the optimizer's state; activations: what
+    the blocks save, but the two blocks backward is at)."""
     sharded = sum(u.sharded for stage in stages for u in stage.units)
     trained = sum(u.trained for stage in stages for u in stage.units)  # (LoRA: the adapters)
     quantized = sum(u.quantized for stage in stages for u in stage.units)  # (QLoRA's base)
@@ -178,29 +191,37 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
     # gpipe runs every forward before any backward; the other schedules run the loss stage's
     # backward right after its forward.
     loss_in_flight = n_microbatches if schedule == "gpipe" else 1
-    activations = saved + (loss_bytes(s, loss_in_flight) if has_loss else 0)
+    host = offloaded_activations(saved, costs, s, blocks) if offload == "activations" else 0.0
+    activations = saved - host + (loss_bytes(s, loss_in_flight) if has_loss else 0)
 
     buffers = backward_buffers(units, stages, blocks, costs, s, activation_checkpoint, float8,
                                in_float8, schedule, in_flight)
     held_grads = grads if (grad_accum > 1 or schedule is not None) else 0
-    # offloaded: a unit's fp32 shard copied in to be gathered and its reduced gradient before it is
-    # copied out (held gradients stay: unsharded until the last microbatch)
-    sharded_state = (2 * max((u.sharded for u in units), default=0) * FP32 if offloaded
-                     else params + states)
-
+    sharded_state, optimizer_step, host_state = sharded_state_bytes(params, grads, states, units,
+                                                                    offload)
     start_of_backward = sharded_state + gathered + activations + buffers + held_grads
     # An update in place, tensor by tensor (the fused AdamW's) holds no temporary worth counting.
     # One that updates each matrix apart whole (Muon: the update takes the gradients' place) holds
     # the matrices this rank updates in one round of the exchange (about as many elements as it
     # holds, at most ROUND_ELEMENTS or the largest matrix) received, gathered, in the iteration and
     # sent back: four copies at most.
-    optimizer_step = 0.0 if offloaded else params + states + grads
     if apart and optimizer.whole_matrices:
         largest = max(u.apart_largest for stage in stages for u in stage.units)
         optimizer_step += 4 * min(apart, max(ROUND_ELEMENTS, largest)) * FP32
     return RankMemory(pp_rank, params, grads, states, gathered, activations, buffers,
                       max(start_of_backward, optimizer_step),
-                      host=params + grads + states if offloaded else 0.0)
+                      host=host + host_state, offload=offload)
+
+
+def sharded_state_bytes(params: float, grads: float, states: float, units: list,
+                        offload: str) -> tuple[float, float, float]:
+    """The sharded parameters, gradients and optimizer state: (their bytes on the device at the
+    start of backward, at the optimizer step, on the host). Under training.offload=optimizer the
+    device holds a unit's fp32 shard copied in to be gathered and its reduced gradient before it is
+    copied out (the gradients accumulating, unsharded until the last microbatch, stay)."""
+    if offload != "optimizer":
+        return params + states, params + states + grads, 0.0
+    return 2 * max((u.sharded for u in units), default=0) * FP32, 0.0, params + grads + states
 
 
 def backward_buffers(units: list, stages: list[StageHoldings], blocks: list[int], costs: Costs,

@@ -21,7 +21,7 @@ from trainer.models.moe import moe_layers
 from trainer.models.moe_config import n_experts
 from trainer.optim.spec import state_bytes_bound
 from trainer.parallel.activation_checkpoint import MODES as AC_MODES
-from trainer.plan import GIB, MARGIN, Plan, make_plan, offloaded
+from trainer.plan import GIB, MARGIN, Plan, make_plan, offload_on
 from trainer.plan.devices import Device
 from trainer.plan.options import options_for
 
@@ -31,8 +31,10 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def candidates(job: JobConfig, gpus: int, device: Device):
-    """The overrides of every layout to try."""
+    """The overrides of every layout to try (under training.offload=activations, without
+    checkpointing: the two do not compose)."""
     m = job.model
+    ac_modes = ("none",) if job.training.offload == "activations" else AC_MODES
     for tp in _powers_of_two(min(device.per_node, gpus)):
         # cp up to 32: long contexts, and batches too small to split the ranks otherwise (an MoE
         # model's experts are sharded over dp_shard x cp only).
@@ -46,7 +48,7 @@ def candidates(job: JobConfig, gpus: int, device: Device):
                     for schedule, per_rank in schedules:
                         for ep in _powers_of_two(n_experts(m)) if n_experts(m) else [1]:
                             for method, ulysses in cp_methods(cp, device.per_node // tp):
-                                for ac in AC_MODES:
+                                for ac in ac_modes:
                                     yield {"parallel.tp": tp, "parallel.cp": cp,
                                            "parallel.cp_method": method,
                                            "parallel.cp_ulysses": ulysses,
@@ -184,10 +186,10 @@ def _plan_candidates(job: JobConfig, gpus: int, device: Device, pinned: dict[str
     rejected: Counter = Counter()
     best_misfit: tuple[float, dict] | None = None
     counts, usable = parameter_counts(job), device.memory_gib * GIB * (1 - MARGIN)
-    # (LoRA: the frozen base alone, in the compute dtype, at least 2 bytes; offloaded to the host,
-    # no bound: the device holds a few units gathered)
-    per_param = (0.0 if offloaded(job, device) else 2.0 if job.peft.method is not None
-                 else state_bytes_bound(job.optim))
+    # (LoRA: the frozen base alone, in the compute dtype, at least 2 bytes; the optimizer
+    # offloaded, no bound: the device holds a few units gathered)
+    per_param = (0.0 if offload_on(job, device) == "optimizer"
+                 else 2.0 if job.peft.method is not None else state_bytes_bound(job.optim))
     for layout in candidates(job, gpus, device):
         if states_bound(counts, layout, per_param) > usable:
             rejected["parameter states over the memory"] += 1

@@ -37,16 +37,19 @@ class StepTime:
 class HostTraffic:
     """training.offload's bytes a step: the weights' fp32 shards each gather copies in and the
     reduced gradients copied out over the host link (on FSDP's streams, beside its collectives),
-    and what the optimizer's step on the host reads and writes."""
+    what the optimizer's step on the host reads and writes, and the activations' copies."""
 
     weights: float
     grads: float
     step: float
+    activations: float = 0.0  # training.offload=activations: out and back, a step
 
     def seconds(self, device: Device, gathers: int) -> tuple[float, float]:
-        """(the link's seconds a step, the host step's)."""
+        """(the link's seconds a step, the host step's); none where the host is the device."""
+        if device.kind == "cpu":
+            return 0.0, 0.0
         link = device.host_gbps * device.link_efficiency * 1e9
-        return ((self.weights * gathers + self.grads) / link,
+        return ((self.weights * gathers + self.grads + self.activations) / link,
                 self.step / (device.host_step_gbps * 1e9))
 
 
