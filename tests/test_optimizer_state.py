@@ -73,10 +73,11 @@ def test_bf16_state_layout_matches_single_process(layout, reference, tmp_path):
 
 @pytest.mark.multiprocess
 def test_bf16_state_resumes_under_another_layout(reference, tmp_path):
-    """The one-process checkpoint of step 2 (its moments in bfloat16), resumed under tp2: steps
-    3 and 4 are the one-process run's."""
+    """The one-process checkpoint of step 2 (its moments in bfloat16), resumed under tp2 with the
+    optimizer on the host: steps 3 and 4 are the one-process run's."""
     records, out = reference
     resumed = train_metrics(2, "+recipe=llama_tp2", *COMMON, *CHUNKED, *BF16_STATE,
+                            "training.offload=optimizer",
                             f"checkpoint.resume={out / 'checkpoints'}/step_{STEPS // 2}",
                             output_dir=tmp_path)
     assert [r["step"] for r in resumed] == list(range(STEPS // 2 + 1, STEPS + 1))
