@@ -60,8 +60,8 @@ class Plan:
 
     @property
     def host_fits(self) -> bool:
-        return not self.host_per_node or (not self.host_memory_gib or self.host_per_node
-                                          <= self.host_memory_gib * GIB * (1 - MARGIN))
+        return not self.host_memory_gib or (self.host_per_node
+                                             <= self.host_memory_gib * GIB * (1 - MARGIN))
 
     @property
     def fits(self) -> bool:
@@ -107,7 +107,8 @@ class Plan:
             return
         if not self.host_fits:
             raise ConfigError(
-                f"plan: training.offload=optimizer puts {self.host_per_node / GIB:.1f} GiB in "
+                f"plan: training.offload={self.ranks[0].offload} puts "
+                f"{self.host_per_node / GIB:.1f} GiB in "
                 f"each node's host memory, more than {self.host_memory_gib * (1 - MARGIN):.1f} "
                 f"usable of plan.host_memory_gib={self.host_memory_gib:g}; shard over more nodes "
                 "(parallel.dp_shard), set training.offload=none, or raise plan.host_memory_gib "
