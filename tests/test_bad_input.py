@@ -148,6 +148,8 @@ MISTAKES = {
     "an unknown offload": (lambda p: ["training.offload=gradients"],
                            r"training.offload=gradients must be one of \['none', 'optimizer', "
                            r"'activations'\]"),
+    "no host memory": (lambda p: ["plan.host_memory_gib=0"],
+                       r"plan.host_memory_gib=0.0 must be > 0 GiB, or null"),
     "optimizer offload with Muon": (lambda p: ["optim=muon", "training.offload=optimizer"],
                                     r"training.offload=optimizer cannot be combined with "
                                     r"optim.name=muon: its collectives"),

@@ -80,6 +80,7 @@ RANGES = {
     "distributed.step_timeout_s": ("must be null (no watchdog) or > 0 seconds", _positive),
     "fault_tolerance.timeout_s": ("must be > 0 seconds", _positive),
     "fault_tolerance.quorum_timeout_s": ("must be > 0 seconds", _positive),
+    "plan.host_memory_gib": ("must be > 0 GiB, or null (the machine's)", _positive),
     "checkpoint.interval": ("must be >= 1", _at_least_one),
     "checkpoint.keep_last": ("must be >= 0 (0 keeps every checkpoint)", _not_negative),
 }
