@@ -141,7 +141,7 @@ MISTAKES = {
     "beta2 above one": (lambda p: ["optim.beta2=1.5"], r"optim.beta2=1.5 must be in \[0, 1\)"),
     "an unknown optimizer state dtype": (lambda p: ["optim.state_dtype=int8"],
                                          r"optim.state_dtype=int8 is unknown; choose one of "
-                                         r"\['float32', 'bfloat16'\]"),
+                                         r"\['float32', 'bfloat16', 'float8'\]"),
     "bfloat16 state for Muon": (lambda p: ["optim=muon", "optim.state_dtype=bfloat16"],
                                 r"optim.state_dtype=bfloat16 is not optim.name=muon's; it takes "
                                 r"\['float32'\]"),

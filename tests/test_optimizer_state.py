@@ -1,6 +1,7 @@
-"""AdamW with bfloat16 moments (optim.state_dtype=bfloat16): a sharded step rounds every element as
-one process does, the parity layouts equal the one-process run at the same state precision, and a
-checkpoint of that run resumes exactly under another layout."""
+"""AdamW with bfloat16 moments (optim.state_dtype=bfloat16) and with blockwise 8-bit ones (float8):
+a sharded step rounds every element as one process does, the parity layouts equal the one-process
+run at the same state precision, and a checkpoint of that run resumes exactly under another
+layout."""
 
 import pytest
 import torch
@@ -10,74 +11,95 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.optim.bf16_state import AdamWBF16State
+from trainer.optim.f8_state import AdamWF8State
 
-BF16_STATE = ("optim.state_dtype=bfloat16",)
+STATES = {"bfloat16": ("optim.state_dtype=bfloat16",), "float8": ("optim.state_dtype=float8",)}
+# (state precision, layout) -> (ranks, recipe and overrides)
 LAYOUTS = {
     # the moments on the host with the weights (what a large model on few GPUs takes)
-    "fsdp2_offload": (2, ["+recipe=llama_fsdp", "training.offload=optimizer"]),
-    "tp2_pp2": (4, ["+recipe=llama_tp2", "parallel.pp=2", "training.grad_accum_steps=2"]),
+    ("bfloat16", "fsdp2_offload"): (2, ["+recipe=llama_fsdp", "training.offload=optimizer"]),
+    ("bfloat16", "tp2_pp2"): (4, ["+recipe=llama_tp2", "parallel.pp=2",
+                                  "training.grad_accum_steps=2"]),
+    # float8's blocks under rows sharded by FSDP and columns by tp (the rowwise layers)
+    ("float8", "tp2_fsdp2"): (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
 }
+# The one-process checkpoint of step 2 resumed under another layout: state -> (ranks, overrides)
+RESUMES = {"bfloat16": (2, ["+recipe=llama_tp2", "training.offload=optimizer"]),
+           "float8": (2, ["+recipe=llama_fsdp", "training.offload=optimizer"])}
 
-
-def _steps(weight: torch.Tensor, grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """AdamW with bfloat16 moments over `weight` (a tensor or a DTensor), a step per gradient:
-    the weight and the two moments after them, whole."""
+def _steps(cls: type, weight: torch.Tensor, grads: list[torch.Tensor]) -> dict:
+    """AdamW of `cls` over `weight` (a tensor or a DTensor), a step per gradient: the weight and
+    every state tensor after them, whole."""
     p = torch.nn.Parameter(weight)
-    optimizer = AdamWBF16State([{"params": [p], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.999),
-                               eps=1e-8)
+    optimizer = cls([{"params": [p], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
     for grad in grads:
         p.grad = grad
         optimizer.step()
-    state = optimizer.state[p]
-    return tuple(getattr(t, "full_tensor", lambda t=t: t)()
-                 for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
+    held = {"weight": p.detach(), **optimizer.state[p]}
+    return {k: getattr(t, "full_tensor", lambda t=t: t)() for k, t in held.items()}
 
 
 def _sharded_step_equals_the_whole(rank, world_size):
-    mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(10, 6, generator=g)  # 10 rows on 4 ranks: uneven shards
-    grads = [torch.randn(10, 6, generator=g) * (1 + step) for step in range(5)]
-    whole = _steps(weight.clone(), [grad.clone() for grad in grads])
-    sharded = _steps(distribute_tensor(weight.clone(), mesh, [Shard(0)]),
-                     [distribute_tensor(grad, mesh, [Shard(0)]) for grad in grads])
-    for name, mine, theirs in zip(("weight", "exp_avg", "exp_avg_sq"), sharded, whole):
-        assert torch.equal(mine, theirs), f"{name} of the sharded step differs on rank {rank}"
+    # 10 rows on 4 ranks: uneven shards; 64 columns on 2: two blocks of float8's 32 on each
+    weight = torch.randn(10, 64, generator=g)
+    grads = [torch.randn(10, 64, generator=g) * (1 + step) for step in range(5)]
+    meshes = [(init_device_mesh("cpu", (world_size,)), [Shard(0)]),
+              (init_device_mesh("cpu", (2, world_size // 2)), [Shard(1), Shard(0)])]
+    for cls in (AdamWBF16State, AdamWF8State):
+        whole = _steps(cls, weight.clone(), [grad.clone() for grad in grads])
+        for mesh, placements in meshes:
+            sharded = _steps(cls, distribute_tensor(weight.clone(), mesh, placements),
+                             [distribute_tensor(grad, mesh, placements) for grad in grads])
+            assert sharded.keys() == whole.keys()
+            for name, mine in sharded.items():
+                assert torch.equal(mine, whole[name]), (
+                    f"{cls.__name__}'s {name} of the step sharded {placements} differs on rank "
+                    f"{rank}")
 
 
 @pytest.mark.multiprocess
 def test_a_sharded_step_rounds_every_element_as_one_process_does():
-    """Bitwise: the stochastic rounding's bits are the element's, wherever it is held (a
-    generator's draw would differ by layout: 4.6e-6 on the loss, inside the parity rows' 1e-4)."""
+    """Bitwise, for both state precisions, rows sharded unevenly and columns cut on float8's block
+    grid: the stochastic rounding's bits are the element's, wherever it is held (a generator's
+    draw would differ by layout: 4.6e-6 on the loss, inside the parity rows' 1e-4)."""
     spawn(_sharded_step_equals_the_whole, 4)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The one-process run, saving halfway: (its records, its folder)."""
-    out = tmp_path_factory.mktemp("bf16_state")
-    records = train_metrics(1, "+recipe=llama_fsdp", *COMMON, *PLAIN, *BF16_STATE,
-                            "checkpoint.enabled=true", f"checkpoint.interval={STEPS // 2}",
-                            output_dir=out)
-    return records, out
+def references(tmp_path_factory):
+    """The one-process run at a state precision, saving halfway: precision -> (its records, its
+    folder), each run once."""
+    runs = {}
+
+    def reference(state: str):
+        if state not in runs:
+            out = tmp_path_factory.mktemp(f"{state}_state")
+            records = train_metrics(1, "+recipe=llama_fsdp", *COMMON, *PLAIN, *STATES[state],
+                                    "checkpoint.enabled=true", f"checkpoint.interval={STEPS // 2}",
+                                    output_dir=out)
+            runs[state] = records, out
+        return runs[state]
+    return reference
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_bf16_state_layout_matches_single_process(layout, reference, tmp_path):
-    ranks, overrides = LAYOUTS[layout]
-    records = train_metrics(ranks, *overrides, *COMMON, *CHUNKED, *BF16_STATE,
+@pytest.mark.parametrize("state,layout", LAYOUTS)
+def test_a_state_precision_s_layout_matches_single_process(state, layout, references, tmp_path):
+    ranks, overrides = LAYOUTS[state, layout]
+    records = train_metrics(ranks, *overrides, *COMMON, *CHUNKED, *STATES[state],
                             output_dir=tmp_path)
-    check_against(reference[0], records, f"bf16 state {layout}", RTOL, GRAD_NORM_RTOL)
+    check_against(references(state)[0], records, f"{state} state {layout}", RTOL, GRAD_NORM_RTOL)
 
 
 @pytest.mark.multiprocess
-def test_bf16_state_resumes_under_another_layout(reference, tmp_path):
-    """The one-process checkpoint of step 2 (its moments in bfloat16), resumed under tp2 with the
-    optimizer on the host: steps 3 and 4 are the one-process run's."""
-    records, out = reference
-    resumed = train_metrics(2, "+recipe=llama_tp2", *COMMON, *CHUNKED, *BF16_STATE,
-                            "training.offload=optimizer",
+@pytest.mark.parametrize("state", RESUMES)
+def test_a_state_precision_s_checkpoint_resumes_under_another_layout(state, references, tmp_path):
+    """The one-process checkpoint of step 2 (its moments in that precision), resumed under another
+    layout with the optimizer on the host: steps 3 and 4 are the one-process run's."""
+    records, out = references(state)
+    ranks, overrides = RESUMES[state]
+    resumed = train_metrics(ranks, *overrides, *COMMON, *CHUNKED, *STATES[state],
                             f"checkpoint.resume={out / 'checkpoints'}/step_{STEPS // 2}",
                             output_dir=tmp_path)
     assert [r["step"] for r in resumed] == list(range(STEPS // 2 + 1, STEPS + 1))

@@ -93,3 +93,11 @@ def test_a_run_saved_before_the_optimizers_had_keys_of_their_own_resumes(tmp_pat
                        match=r"holds checkpoints trained with optim.name=adamw, whose optimizer "
                              r"state optim.name=muon cannot take; choose another output_dir"):
         check_rerun({"optim": {"name": "muon"}}, resume, str(tmp_path))
+    # float8's blocks are not fp32 moments (bfloat16 ones are: a cast)
+    assert check_rerun({"optim": {"name": "adamw", "state_dtype": "bfloat16"}},
+                       CheckpointConfig(enabled=True, allow_config_change=True),
+                       str(tmp_path)) is None
+    with pytest.raises(ConfigError,
+                       match=r"holds checkpoints trained with optim.state_dtype=float32, whose "
+                             r"moments optim.state_dtype=float8 cannot take; choose another"):
+        check_rerun({"optim": {"name": "adamw", "state_dtype": "float8"}}, resume, str(tmp_path))

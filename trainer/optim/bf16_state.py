@@ -21,15 +21,19 @@ _LOW = 0xFFFF  # the 16 bits of an fp32 value that bfloat16 drops
 _MIX = (0x5BD1E995, 0x27D4EB2D, 0x165667B1)
 
 
+def hash16(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    """16 random-looking bits (int64 in [0, 2**16)) of each element of `key` (int64, below 2**32)
+    and `salt`: the same element's bits wherever a layout holds it."""
+    h = key * _MIX[0] + salt * _MIX[1]
+    h = ((h ^ (h >> 15)) & 0xFFFFFFFF) * _MIX[2]
+    return (h ^ (h >> 13)) & _LOW
+
+
 def round_stochastic(x: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
     """fp32 `x` to bfloat16, rounding each magnitude up with the probability of its dropped bits'
     share of a bfloat16 step; the random bits hash its kept bits and `salt` (an integer tensor)."""
     bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    kept = bits & ~_LOW
-    h = (kept >> 16) * _MIX[0] + salt * _MIX[1]
-    h = ((h ^ (h >> 15)) & 0xFFFFFFFF) * _MIX[2]
-    noise = (h ^ (h >> 13)) & _LOW
-    rounded = (bits + noise) & 0xFFFF0000
+    rounded = (bits + hash16((bits & ~_LOW) >> 16, salt)) & 0xFFFF0000
     # back to int32's range (the sign bit), then the exact bfloat16 the fp32 value now is
     return torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32).view(
         torch.float32).to(torch.bfloat16)
@@ -82,17 +86,24 @@ class AdamWBF16State(SkippingOptimizer):
 CHUNK = 1 << 22  # elements
 
 
-def _update_chunk(weight: torch.Tensor, grad: torch.Tensor, m_low: torch.Tensor,
-                  v_low: torch.Tensor, group: dict, step: torch.Tensor,
-                  keep: torch.Tensor | None) -> None:
+def adamw_math(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+               group: dict, step: torch.Tensor) -> torch.Tensor:
+    """One AdamW step in fp32: moves the moments `m` and `v` in place and returns the new weight."""
     beta1, beta2 = group["betas"]
     lr, grad = group["lr"], grad.float()
-    m = m_low.float().lerp_(grad, 1 - beta1)
-    v = v_low.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     # (bias corrections as device tensors: no host sync on the step count)
     denom = (v.sqrt() / (1 - beta2**step).sqrt()).add_(group["eps"])
     update = m / denom * (-lr / (1 - beta1**step))
-    new_weight = weight * (1 - lr * group["weight_decay"]) + update
+    return weight * (1 - lr * group["weight_decay"]) + update
+
+
+def _update_chunk(weight: torch.Tensor, grad: torch.Tensor, m_low: torch.Tensor,
+                  v_low: torch.Tensor, group: dict, step: torch.Tensor,
+                  keep: torch.Tensor | None) -> None:
+    m, v = m_low.float(), v_low.float()
+    new_weight = adamw_math(weight, grad, m, v, group, step)
     salt = step.to(torch.int64)
     m, v = round_stochastic(m, 2 * salt), round_stochastic(v, 2 * salt + 1)
     if keep is not None:

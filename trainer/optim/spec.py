@@ -114,7 +114,8 @@ def optimizer_of(cfg: OptimConfig) -> OptimizerSpec:
     return optimizer_named(cfg.name)
 
 
-STATE_BYTES = {"float32": 4, "bfloat16": 2}
+# (float8: a byte an element and one a block of 32, its scale's exponent)
+STATE_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1 + 1 / 32}
 
 
 def check_state_dtype(cfg: OptimConfig) -> None:
@@ -141,6 +142,11 @@ def state_change(saved: dict, now: dict) -> str | None:
     if saved.get("optim.name") != now.get("optim.name"):
         return (f"trained with optim.name={saved.get('optim.name')}, whose optimizer state "
                 f"optim.name={now.get('optim.name')} cannot take")
+    # float32 and bfloat16 moments load into each other (a cast); float8's blocks are their own
+    dtypes = [config.get("optim.state_dtype", "float32") for config in (saved, now)]
+    if dtypes[0] != dtypes[1] and "float8" in dtypes:
+        return (f"trained with optim.state_dtype={dtypes[0]}, whose moments "
+                f"optim.state_dtype={dtypes[1]} cannot take")
     return None
 
 

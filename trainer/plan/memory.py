@@ -158,7 +158,7 @@ def rank_memory(pp_rank: int, stages: list[StageHoldings], costs: Costs, s: Shap
                 pp: int, n_microbatches: int, grad_accum: int, param_bytes: int, has_loss: bool,
                 selective_policy: str = "half_mm", float8: str | None = None,
                 float8_share: float = 0.0, optimizer: OptimizerSpec = ADAMW,
-                state_bytes: int = FP32, offload: str = "none") -> RankMemory:
+                state_bytes: float = FP32, offload: str = "none") -> RankMemory:
     """`float8`: the float8 recipe (None: off); `float8_share`: the share of a block's parameters in
     float8 linear layers (the experts' grouped GEMMs are not); `optimizer`: the job's (its state per
     element, and whether it updates the matrices it treats apart whole); `state_bytes`: a state
