@@ -142,9 +142,9 @@ MISTAKES = {
     "an unknown optimizer state dtype": (lambda p: ["optim.state_dtype=int8"],
                                          r"optim.state_dtype=int8 is unknown; choose one of "
                                          r"\['float32', 'bfloat16', 'float8'\]"),
-    "bfloat16 state for Muon": (lambda p: ["optim=muon", "optim.state_dtype=bfloat16"],
-                                r"optim.state_dtype=bfloat16 is not optim.name=muon's; it takes "
-                                r"\['float32'\]"),
+    "float8 state for Muon": (lambda p: ["optim=muon", "optim.state_dtype=float8"],
+                              r"optim.state_dtype=float8 is not optim.name=muon's; it takes "
+                              r"\['float32', 'bfloat16'\]"),
     "an unknown offload": (lambda p: ["training.offload=gradients"],
                            r"training.offload=gradients must be one of \['none', 'optimizer', "
                            r"'activations'\]"),

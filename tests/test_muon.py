@@ -82,9 +82,10 @@ def test_update_rms_follows_the_rule(shape):
     assert 0.13 <= rms <= 0.22
 
 
-def test_skipped_step_leaves_weights_and_momentum():
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_skipped_step_leaves_weights_and_momentum(state_dtype):
     model = block_model((8, 12))
-    optimizer = muon_optimizer(model, lr=0.1, weight_decay=0.1)
+    optimizer = muon_optimizer(model, lr=0.1, weight_decay=0.1, state_dtype=state_dtype)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
@@ -97,6 +98,8 @@ def test_skipped_step_leaves_weights_and_momentum():
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert all(torch.equal(a, b) for p, saved in state.items()
                for a, b in zip(optimizer.state[p].values(), saved))
+    low = [t.dtype for s in optimizer.state.values() for k, t in s.items() if k != "step"]
+    assert set(low) == {torch.float32 if state_dtype == "float32" else torch.bfloat16}, low
 
 
 def test_one_process_matches_torch_muon_and_adamw():

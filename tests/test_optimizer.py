@@ -84,7 +84,8 @@ def test_its_config_is_typed_by_its_class_and_checked_by_its_rules():
 
 
 @pytest.mark.parametrize("optim", [("optim=adamw",), ("optim.state_dtype=bfloat16",),
-                                   ("optim.state_dtype=float8",), ("optim=muon",), OURS])
+                                   ("optim.state_dtype=float8",), ("optim=muon",),
+                                   ("optim=muon", "optim.state_dtype=bfloat16"), OURS])
 def test_the_plan_counts_each_optimizer_s_state_as_it_holds(optim):
     """One rank: the plan's optimizer term against the bytes of every state tensor after a step
     (AdamW's two moments, in fp32, bfloat16 or float8 blocks, and step counts; Muon's momentum for

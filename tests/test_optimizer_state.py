@@ -18,14 +18,15 @@ STATES = {"bfloat16": ("optim.state_dtype=bfloat16",), "float8": ("optim.state_d
 LAYOUTS = {
     # the moments on the host with the weights (what a large model on few GPUs takes)
     ("bfloat16", "fsdp2_offload"): (2, ["+recipe=llama_fsdp", "training.offload=optimizer"]),
-    ("bfloat16", "tp2_pp2"): (4, ["+recipe=llama_tp2", "parallel.pp=2",
-                                  "training.grad_accum_steps=2"]),
-    # float8's blocks under rows sharded by FSDP and columns by tp (the rowwise layers)
-    ("float8", "tp2_fsdp2"): (4, ["+recipe=llama_tp2", "parallel.dp_shard=2"]),
+    # float8's blocks under tp's column shards (the rowwise layers), with pp and accumulation
+    ("float8", "tp2_pp2"): (4, ["+recipe=llama_tp2", "parallel.pp=2",
+                                "training.grad_accum_steps=2"]),
 }
-# The one-process checkpoint of step 2 resumed under another layout: state -> (ranks, overrides)
-RESUMES = {"bfloat16": (2, ["+recipe=llama_tp2", "training.offload=optimizer"]),
+# The one-process checkpoint of step 2 resumed under another layout, the optimizer on the host:
+# state -> (ranks, overrides). With the rows above, each precision runs under FSDP, tp and pp.
+RESUMES = {"bfloat16": (4, ["+recipe=llama_tp2", "parallel.pp=2", "training.offload=optimizer"]),
            "float8": (2, ["+recipe=llama_fsdp", "training.offload=optimizer"])}
+
 
 def _steps(cls: type, weight: torch.Tensor, grads: list[torch.Tensor]) -> dict:
     """AdamW of `cls` over `weight` (a tensor or a DTensor), a step per gradient: the weight and

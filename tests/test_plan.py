@@ -22,7 +22,7 @@ from trainer.errors import ConfigError
 from trainer.plan import GIB, make_plan
 from trainer.plan.devices import local_device, measure_cpu
 from trainer.plan.profiles import get_device
-from trainer.plan.search import fitting_option, search
+from trainer.plan.search import _options, fitting_option, search
 
 sys.path.insert(0, str(REPO / "scripts"))
 import plan as plan_script  # noqa: E402
@@ -390,8 +390,9 @@ def test_the_plan_prices_ulysses_and_the_ring_at_128k_tokens(capsys):
 
 def test_a_job_that_does_not_fit_is_told_the_option_that_would(capsys):
     """Llama 3 70B on 16 H100s, full checkpointing: 74.6 GiB a rank; AdamW's moments in bfloat16
-    bring it to 58.1 (Muon's state takes no bfloat16: no option named). The search (parallel=auto)
-    takes the option where no layout fits without it."""
+    bring it to 58.1 (Muon's state to 50.2; float8's blocks and the optimizer's offload, which Muon
+    does not take, are left out of its options). The search (parallel=auto) takes the option where
+    no layout fits without it."""
     overrides = ("model=llama3_70b", "training.seq_len=4096", "training.global_batch_size=16",
                  "training.activation_checkpoint=full")
     device = get_device("h100", None, 16)
@@ -403,7 +404,11 @@ def test_a_job_that_does_not_fit_is_told_the_option_that_would(capsys):
                                           r"\(peak 58.1 GiB\), or shard over more ranks"):
         plan.check_fits(option)
     muon = job_of(*overrides, "optim=muon")
-    assert fitting_option(muon, check_job(muon, 16), device) is None
+    assert (fitting_option(muon, check_job(muon, 16), device)
+            == "it fits with optim.state_dtype=bfloat16 (peak 50.2 GiB)")
+    # (and the optimizer's offload, which exchanges Muon's matrices on the device's copies; the
+    # activations' under full checkpointing)
+    assert [option for option, _ in _options(muon)] == [{"optim.state_dtype": "bfloat16"}]
     code, out, _ = run_plan(capsys, *overrides, "--world", "16", "--device", "h100")
     assert code == 1 and "It fits with optim.state_dtype=bfloat16 (peak 58.1 GiB)" in out
     # The search tries it after the layouts: Mixtral 8x7B fits 8 H100s only so.

@@ -39,10 +39,11 @@ def round_stochastic(x: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
         torch.float32).to(torch.bfloat16)
 
 
-def _moments_in_bfloat16(optimizer: torch.optim.Optimizer) -> None:
-    """After a load (a bfloat16 checkpoint's or an fp32 one's), the moments in bfloat16 again."""
+def moments_in_bfloat16(optimizer: torch.optim.Optimizer) -> None:
+    """After a load (a bfloat16 checkpoint's or an fp32 one's), the moments (Muon's momentum too) in
+    bfloat16 again."""
     for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
             if key in state:
                 state[key] = state[key].to(torch.bfloat16)
 
@@ -55,32 +56,34 @@ class AdamWBF16State(SkippingOptimizer):
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         # torch's load_state_dict casts floating state to the parameter's dtype (fp32)
-        self.register_load_state_dict_post_hook(_moments_in_bfloat16)
+        self.register_load_state_dict_post_hook(moments_in_bfloat16)
 
     def update(self, skip: torch.Tensor | None) -> None:
         keep = None if skip is None else ~skip.bool()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group, keep)
+                    adamw_step(p, self.state[p], group, keep)
 
-    def _update(self, p: torch.Tensor, group: dict, keep: torch.Tensor | None) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
-        weight, grad = local_tensor(p), local_tensor(p.grad)
-        m_low, v_low = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
-        step = state["step"] + (1 if keep is None else keep.float())
-        # A chunk at a time: the fp32 and int64 temporaries of a large shard (an embedding's) stay
-        # small.
-        tensors = (weight, grad, m_low, v_low)
-        chunks = (zip(*(t.view(-1).split(CHUNK) for t in tensors))
-                  if all(t.is_contiguous() for t in tensors) else [tensors])
-        for chunk in chunks:
-            _update_chunk(*chunk, group, step, keep)
-        state["step"].copy_(step)
+
+def adamw_step(p: torch.Tensor, state: dict, group: dict, keep: torch.Tensor | None) -> None:
+    """One AdamW step of `p` with its moments in bfloat16 (`state`: its optimizer state, filled on
+    the first); `keep`: 0 leaves everything as it was."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+    weight, grad = local_tensor(p), local_tensor(p.grad)
+    m_low, v_low = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+    step = state["step"] + (1 if keep is None else keep.float())
+    # A chunk at a time: the fp32 and int64 temporaries of a large shard (an embedding's) stay
+    # small.
+    tensors = (weight, grad, m_low, v_low)
+    chunks = (zip(*(t.view(-1).split(CHUNK) for t in tensors))
+              if all(t.is_contiguous() for t in tensors) else [tensors])
+    for chunk in chunks:
+        _update_chunk(*chunk, group, step, keep)
+    state["step"].copy_(step)
 
 
 CHUNK = 1 << 22  # elements

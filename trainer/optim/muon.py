@@ -26,6 +26,7 @@ from torch.optim.adam import adam
 from trainer.config.schema import OptimConfig
 from trainer.errors import ConfigError
 from trainer.models.spec import ModelSpec
+from trainer.optim.bf16_state import adamw_step, moments_in_bfloat16, round_stochastic
 from trainer.optim.muon_exchange import MatrixExchange, ns_flops
 from trainer.optim.spec import (
     OptimizerInputs,
@@ -85,12 +86,14 @@ def is_muon_matrix(name: str, p: torch.Tensor, blocks: str, excluded: tuple[str,
 class Muon(SkippingOptimizer):
     """Muon over the first param group (`muon=True`), fused AdamW over the others. State: each Muon
     matrix's `momentum_buffer`; AdamW's `step`, `exp_avg`, `exp_avg_sq` (torch.optim.AdamW's
-    names)."""
+    names). With `state_dtype` bfloat16, the momentum and moments are held in bfloat16 and written
+    by bf16_state's stochastic rounding (its salt, a Muon matrix's own `step`), AdamW's update is
+    bf16_state's."""
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_groups: list[dict], *, lr: float,
                  weight_decay: float, betas: tuple[float, float], eps: float, momentum: float,
                  nesterov: bool, ns_steps: int, ns_dtype: torch.dtype, rms_match: str,
-                 group_of: Callable):
+                 group_of: Callable, state_dtype: str = "float32"):
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, muon=False)
         groups = [{"params": muon_params, "muon": True}] if muon_params else []
@@ -98,6 +101,9 @@ class Muon(SkippingOptimizer):
         self.ns_dtype, self.rule = ns_dtype, RULE_TEXT[rms_match]
         self.scales = [RMS_RULES[rms_match](*p.shape[-2:]) for p in muon_params]
         self.exchange = MatrixExchange(muon_params, ns_steps, group_of)
+        self.low = state_dtype == "bfloat16"
+        if self.low:  # (torch's load_state_dict casts floating state to the parameter's dtype)
+            self.register_load_state_dict_post_hook(moments_in_bfloat16)
 
     def update(self, skip: torch.Tensor | None) -> None:
         for group in self.param_groups:
@@ -112,13 +118,20 @@ class Muon(SkippingOptimizer):
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = local_tensor(state["momentum_buffer"])
+                state["momentum_buffer"] = torch.zeros_like(
+                    p, dtype=torch.bfloat16 if self.low else p.dtype)
+                if self.low:
+                    state["step"] = torch.zeros((), device=local_tensor(p).device)
+            held = local_tensor(state["momentum_buffer"])
+            buf = held.float() if self.low else held
             grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(buf)
             if skip is not None:
                 # a non-finite gradient must not reach the buffer
                 grad.masked_fill_(skip.bool(), 0.0)
             buf.lerp_(grad, keep * (1 - mu) if skip is not None else 1 - mu)
+            if self.low:  # (a kept bfloat16 value rounds to itself)
+                state["step"].add_(keep)
+                held.copy_(round_stochastic(buf, state["step"].to(torch.int64)))
             updates.append(grad.lerp_(buf, mu) if group["nesterov"] else grad.copy_(buf))
         self.exchange.orthogonalize(updates, self._orthogonalize, updates)
         for p, update, scale in zip(params, updates, self.scales):
@@ -131,6 +144,11 @@ class Muon(SkippingOptimizer):
 
     def _adamw(self, group: dict, skip: torch.Tensor | None) -> None:
         params = [p for p in group["params"] if p.grad is not None]
+        if self.low:
+            keep = None if skip is None else ~skip.bool()
+            for p in params:
+                adamw_step(p, self.state[p], group, keep)
+            return
         for p in params:
             state = self.state[p]
             if not state:
@@ -200,7 +218,7 @@ def build(inputs: OptimizerInputs) -> Muon:
                 betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.momentum,
                 nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
                 ns_dtype=ns_dtype(cfg.ns_dtype, inputs.device), rms_match=cfg.muon.rms_match,
-                group_of=inputs.group_of)
+                group_of=inputs.group_of, state_dtype=cfg.state_dtype)
 
 
 def takes_muon(name: str, p: torch.Tensor, spec: ModelSpec) -> bool:
@@ -210,6 +228,7 @@ def takes_muon(name: str, p: torch.Tensor, spec: ModelSpec) -> bool:
 MUON = register_optimizer(OptimizerSpec(
     name="muon", build=build, config=MuonConfig, check=check, apart=takes_muon,
     state_words=2.0, apart_state_words=1.0,  # AdamW's two moments; a Muon matrix's momentum
+    state_dtypes=("float32", "bfloat16"),
     whole_matrices=True, matrix_flops=lambda rows, cols, cfg: ns_flops(rows, cols, cfg.ns_steps),
     matrix_dtype=lambda cfg, device_kind: ns_dtype(cfg.ns_dtype, device_kind),
     step_work="the Newton-Schulz iterations and the exchange of matrix pieces",

@@ -142,9 +142,10 @@ def state_change(saved: dict, now: dict) -> str | None:
     if saved.get("optim.name") != now.get("optim.name"):
         return (f"trained with optim.name={saved.get('optim.name')}, whose optimizer state "
                 f"optim.name={now.get('optim.name')} cannot take")
-    # float32 and bfloat16 moments load into each other (a cast); float8's blocks are their own
+    # AdamW's float32 and bfloat16 moments load into each other (a cast); float8's blocks are their
+    # own, as is Muon's bfloat16 state (a step count for each matrix's rounding)
     dtypes = [config.get("optim.state_dtype", "float32") for config in (saved, now)]
-    if dtypes[0] != dtypes[1] and "float8" in dtypes:
+    if dtypes[0] != dtypes[1] and ("float8" in dtypes or now.get("optim.name") == "muon"):
         return (f"trained with optim.state_dtype={dtypes[0]}, whose moments "
                 f"optim.state_dtype={dtypes[1]} cannot take")
     return None

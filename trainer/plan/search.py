@@ -162,7 +162,7 @@ def fitting_option(job: JobConfig, dims, device: Device) -> str | None:
 
 
 def _options(job: JobConfig, pinned: dict[str, str] | None = None) -> list[tuple[dict, JobConfig]]:
-    """Each memory option `job` can take, with the job under it: one its config refuses (bfloat16
+    """Each memory option `job` can take, with the job under it: one its config refuses (float8
     state for Muon) is left out."""
     taken = []
     for option in options_for(job, pinned):
