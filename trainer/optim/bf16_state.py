@@ -48,22 +48,40 @@ def moments_in_bfloat16(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = state[key].to(torch.bfloat16)
 
 
-class AdamWBF16State(SkippingOptimizer):
-    """AdamW (decoupled weight decay, torch.optim.AdamW's update and state names: `step`,
-    `exp_avg`, `exp_avg_sq`) with the moments in bfloat16. Honours `found_inf` (1: weights, moments
-    and step count stay as they were)."""
+class PerParameterAdamW(SkippingOptimizer):
+    """AdamW (decoupled weight decay, torch.optim.AdamW's update) stepping one parameter at a time:
+    `step_parameter(p, state, group, keep)` (keep: None, or 0 to leave weights, state and step
+    count as they were: `found_inf`), `after_load(optimizer)` (torch's load_state_dict casts
+    floating state to the parameter's dtype, fp32: the hook puts it back in its own)."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
-        # torch's load_state_dict casts floating state to the parameter's dtype (fp32)
-        self.register_load_state_dict_post_hook(moments_in_bfloat16)
+        self.register_load_state_dict_post_hook(type(self).after_load)
 
     def update(self, skip: torch.Tensor | None) -> None:
         keep = None if skip is None else ~skip.bool()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    adamw_step(p, self.state[p], group, keep)
+                    self.step_parameter(p, self.state[p], group, keep)
+
+    def step_parameter(self, p: torch.Tensor, state: dict, group: dict,
+                       keep: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def after_load(optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+
+class AdamWBF16State(PerParameterAdamW):
+    """AdamW with the moments in bfloat16 (state names torch.optim.AdamW's: `step`, `exp_avg`,
+    `exp_avg_sq`)."""
+
+    def step_parameter(self, p, state, group, keep) -> None:
+        adamw_step(p, state, group, keep)
+
+    after_load = staticmethod(moments_in_bfloat16)
 
 
 def adamw_step(p: torch.Tensor, state: dict, group: dict, keep: torch.Tensor | None) -> None:

@@ -23,8 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
-from trainer.optim.bf16_state import CHUNK, adamw_math, hash16
-from trainer.optim.spec import SkippingOptimizer
+from trainer.optim.bf16_state import CHUNK, PerParameterAdamW, adamw_math, hash16
 from trainer.tensors import local_tensor
 
 BLOCK = 32  # elements of a row sharing a scale
@@ -119,28 +118,21 @@ def _codes_back(optimizer: torch.optim.Optimizer) -> None:
                                                   state[exponents].to(torch.int8))
 
 
-class AdamWF8State(SkippingOptimizer):
-    """AdamW (decoupled weight decay, torch.optim.AdamW's update) with the moments in blockwise
-    float8 where held_in_blocks (state: `step` and MOMENTS' keys), fp32 elsewhere (`exp_avg`,
-    `exp_avg_sq`). Honours `found_inf` (1: weights, moments and step count stay as they were)."""
+class AdamWF8State(PerParameterAdamW):
+    """AdamW with the moments in blockwise bytes where held_in_blocks (state: `step` and MOMENTS'
+    keys), fp32 elsewhere (`exp_avg`, `exp_avg_sq`)."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float):
-        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        super().__init__(groups, lr=lr, betas=betas, eps=eps)
         for group in self.param_groups:
             for p in group["params"]:
                 if held_in_blocks(p):
                     _check_grid(p)
-        self.register_load_state_dict_post_hook(_codes_back)
 
-    def update(self, skip: torch.Tensor | None) -> None:
-        keep = None if skip is None else ~skip.bool()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group, keep)
+    after_load = staticmethod(_codes_back)
 
-    def _update(self, p: torch.Tensor, group: dict, keep: torch.Tensor | None) -> None:
-        state, device = self.state[p], local_tensor(p).device
+    def step_parameter(self, p, state, group, keep) -> None:
+        device = local_tensor(p).device
         blocked = held_in_blocks(p)
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=device)
