@@ -7,9 +7,12 @@ import pytest
 import torch
 from helpers import spawn, train_metrics
 from test_parity import CHUNKED, COMMON, GRAD_NORM_RTOL, PLAIN, RTOL, STEPS, check_against
+from test_plan import job_of
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from trainer.checks.job import check_job
+from trainer.errors import ConfigError
 from trainer.optim.bf16_state import AdamWBF16State
 from trainer.optim.f8_state import AdamWF8State
 
@@ -65,6 +68,19 @@ def test_a_sharded_step_rounds_every_element_as_one_process_does():
     grid: the stochastic rounding's bits are the element's, wherever it is held (a generator's
     draw would differ by layout: 4.6e-6 on the loss, inside the parity rows' 1e-4)."""
     spawn(_sharded_step_equals_the_whole, 4)
+
+
+def test_a_layout_cutting_float8_s_blocks_is_refused_before_launch():
+    """tp=2 cuts llama_debug's feed-forward output layer (rowwise, 96 inputs) into 48: off the grid
+    of 32; 128 (64 a rank) is on it."""
+    cut = job_of("+recipe=llama_tp2", "model=llama_debug", "+smoke=cpu", "model.ffn_dim=96",
+                 *STATES["float8"])
+    with pytest.raises(ConfigError, match=r"^optim.state_dtype=float8 holds blocks of 32 elements "
+                                          r"of a row; this layout cuts a parameter's last "
+                                          r"dimension 96 into 48: choose a parallel.tp"):
+        check_job(cut, 2)
+    check_job(job_of("+recipe=llama_tp2", "model=llama_debug", "+smoke=cpu", "model.ffn_dim=128",
+                     *STATES["float8"]), 2)
 
 
 @pytest.fixture(scope="module")

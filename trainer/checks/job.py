@@ -38,6 +38,7 @@ from trainer.faults.tolerance import check_available, group_view
 from trainer.float8 import check_float8, check_float8_layers
 from trainer.models import build_model, family
 from trainer.models.moe_config import MoEConfig, n_experts
+from trainer.optim.f8_state import check_tp_grid
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.tensors import DTYPES, param_dtype
@@ -77,6 +78,10 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     check_precision_and_compile(job.training, job.device)
     if job.training.float8.enabled and not job.training.float8.skip_unaligned:
         check_float8_layers(build_model(job.model, device="meta"), job.training.float8)
+    if job.optim.state_dtype == "float8" and dims.tp_enabled:
+        plan = family(job.model.family).tp_plan(job.model, job.parallel.sequence_parallel,
+                                                job.parallel.loss_parallel)
+        check_tp_grid(build_model(job.model, device="meta"), plan, dims.tp)
     schedule = job.parallel.pp_schedule
     if (job.training.activation_checkpoint == "selective" and dims.pp_enabled
         and schedule in ZERO_BUBBLE):

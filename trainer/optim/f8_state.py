@@ -13,14 +13,18 @@ element alike.
 
 The moments of a tensor of two or more dimensions whose last dimension is a multiple of 32 are held
 so: its blocks never straddle rows, and a shard of whole rows, or of the last dimension cut at
-multiples of 32, holds whole blocks (a layout cutting it elsewhere is refused). The others' (norm
-weights, biases) stay in fp32.
+multiples of 32, holds whole blocks (a layout cutting it elsewhere is refused before launch). The
+others' (norm weights, biases) stay in fp32.
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import RowwiseParallel
 
 from trainer.errors import ConfigError
 from trainer.optim.bf16_state import CHUNK, PerParameterAdamW, adamw_math, hash16
@@ -99,13 +103,28 @@ def _blocks_like(p: torch.Tensor, device: torch.device) -> torch.Tensor:
                               stride=torch.empty(shape, device="meta").stride())
 
 
+def _grid_cut(width: int, cut: int) -> ConfigError:
+    return ConfigError(f"optim.state_dtype=float8 holds blocks of {BLOCK} elements of a row; this "
+                       f"layout cuts a parameter's last dimension {width} into {cut}: choose a "
+                       f"parallel.tp that divides it into multiples of {BLOCK}")
+
+
 def _check_grid(p: torch.Tensor) -> None:
+    """At the build, every parameter as laid out (the experts' own sharding included)."""
     local = local_tensor(p)
     if local.shape[-1] % BLOCK:
-        raise ConfigError(f"optim.state_dtype=float8 holds blocks of {BLOCK} elements of a row; "
-                          f"this layout cuts a parameter's last dimension {p.shape[-1]} into "
-                          f"{local.shape[-1]}: choose a parallel.tp that divides it into "
-                          f"multiples of {BLOCK}")
+        raise _grid_cut(p.shape[-1], local.shape[-1])
+
+
+def check_tp_grid(model: nn.Module, plan: dict, tp: int) -> None:
+    """Before launch (`model` on meta): each linear layer that tensor parallel's `plan` cuts by its
+    input (RowwiseParallel: the weight's last dimension) leaves whole blocks on every tp rank."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and held_in_blocks(module.weight) and any(
+                isinstance(style, RowwiseParallel) and fnmatch(name, path)
+                for path, style in plan.items()):
+            if module.in_features // tp % BLOCK:
+                raise _grid_cut(module.in_features, module.in_features // tp)
 
 
 def _codes_back(optimizer: torch.optim.Optimizer) -> None:
