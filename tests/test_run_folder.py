@@ -15,6 +15,7 @@ from trainer.checkpoint.rerun import check_rerun
 from trainer.checkpoint.state import save_weights
 from trainer.config.schema import CheckpointConfig
 from trainer.errors import ConfigError
+from trainer.optim.spec import state_change
 
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_hf  # noqa: E402
@@ -101,3 +102,6 @@ def test_a_run_saved_before_the_optimizers_had_keys_of_their_own_resumes(tmp_pat
                        match=r"holds checkpoints trained with optim.state_dtype=float32, whose "
                              r"moments optim.state_dtype=float8 cannot take; choose another"):
         check_rerun({"optim": {"name": "adamw", "state_dtype": "float8"}}, resume, str(tmp_path))
+    # Muon's bfloat16 state keeps a step count for each matrix: no cast from or to float32
+    assert state_change({"optim.name": "muon"},
+                        {"optim.name": "muon", "optim.state_dtype": "bfloat16"}) is not None

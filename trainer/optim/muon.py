@@ -229,6 +229,7 @@ MUON = register_optimizer(OptimizerSpec(
     name="muon", build=build, config=MuonConfig, check=check, apart=takes_muon,
     state_words=2.0, apart_state_words=1.0,  # AdamW's two moments; a Muon matrix's momentum
     state_dtypes=("float32", "bfloat16"),
+    recasts_state=False,  # its bfloat16 state adds a step count to each matrix (the rounding's)
     whole_matrices=True, matrix_flops=lambda rows, cols, cfg: ns_flops(rows, cols, cfg.ns_steps),
     matrix_dtype=lambda cfg, device_kind: ns_dtype(cfg.ns_dtype, device_kind),
     step_work="the Newton-Schulz iterations and the exchange of matrix pieces",

@@ -59,6 +59,9 @@ class OptimizerSpec:
     apart: Callable[[str, torch.Tensor, ModelSpec], bool] | None = None
     # optim.state_dtype's values it takes (its state held in that dtype)
     state_dtypes: tuple[str, ...] = ("float32",)
+    # Whether its state saved at one of those precisions loads at another (a cast: AdamW's float32
+    # and bfloat16 moments); float8's blocks never do.
+    recasts_state: bool = True
     # words of state per parameter element: the rest, and those apart (AdamW's two moments: 2),
     # each of optim.state_dtype's bytes.
     state_words: float = 2.0
@@ -142,10 +145,10 @@ def state_change(saved: dict, now: dict) -> str | None:
     if saved.get("optim.name") != now.get("optim.name"):
         return (f"trained with optim.name={saved.get('optim.name')}, whose optimizer state "
                 f"optim.name={now.get('optim.name')} cannot take")
-    # AdamW's float32 and bfloat16 moments load into each other (a cast); float8's blocks are their
-    # own, as is Muon's bfloat16 state (a step count for each matrix's rounding)
     dtypes = [config.get("optim.state_dtype", "float32") for config in (saved, now)]
-    if dtypes[0] != dtypes[1] and ("float8" in dtypes or now.get("optim.name") == "muon"):
+    spec = _REGISTRY.get(now.get("optim.name"))
+    recasts = spec is not None and spec.recasts_state and "float8" not in dtypes
+    if dtypes[0] != dtypes[1] and not recasts:
         return (f"trained with optim.state_dtype={dtypes[0]}, whose moments "
                 f"optim.state_dtype={dtypes[1]} cannot take")
     return None
