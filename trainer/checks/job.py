@@ -38,7 +38,7 @@ from trainer.faults.tolerance import check_available, group_view
 from trainer.float8 import check_float8, check_float8_layers
 from trainer.models import build_model, family
 from trainer.models.moe_config import MoEConfig, n_experts
-from trainer.optim.f8_state import check_tp_grid
+from trainer.optim.f8_state import check_tp_grid, rowwise_inputs
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE
 from trainer.tensors import DTYPES, param_dtype
@@ -79,9 +79,7 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
     if job.training.float8.enabled and not job.training.float8.skip_unaligned:
         check_float8_layers(build_model(job.model, device="meta"), job.training.float8)
     if job.optim.state_dtype == "float8" and dims.tp_enabled:
-        plan = family(job.model.family).tp_plan(job.model, job.parallel.sequence_parallel,
-                                                job.parallel.loss_parallel)
-        check_tp_grid(build_model(job.model, device="meta"), plan, dims.tp)
+        check_tp_grid(_rowwise_inputs(job), dims.tp)
     schedule = job.parallel.pp_schedule
     if (job.training.activation_checkpoint == "selective" and dims.pp_enabled
         and schedule in ZERO_BUBBLE):
@@ -114,6 +112,20 @@ def check_job(job: JobConfig, world: int, ranges: bool = True) -> ParallelDims:
                           "data.path (it is read like data.path, with data.source and "
                           "data.tokenizer)")
     return dims
+
+
+# model config and tp flags -> rowwise_inputs: built once per model (the search checks many
+# layouts of one)
+_ROWWISE: dict[str, set[int]] = {}
+
+
+def _rowwise_inputs(job: JobConfig) -> set[int]:
+    flags = (job.parallel.sequence_parallel, job.parallel.loss_parallel)
+    key = repr((job.model, flags))
+    if key not in _ROWWISE:
+        plan = family(job.model.family).tp_plan(job.model, *flags)
+        _ROWWISE[key] = rowwise_inputs(build_model(job.model, device="meta"), plan)
+    return _ROWWISE[key]
 
 
 def check_fault_tolerance(ft: FaultToleranceConfig, parallel: ParallelConfig,

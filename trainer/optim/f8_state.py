@@ -116,15 +116,21 @@ def _check_grid(p: torch.Tensor) -> None:
         raise _grid_cut(p.shape[-1], local.shape[-1])
 
 
-def check_tp_grid(model: nn.Module, plan: dict, tp: int) -> None:
-    """Before launch (`model` on meta): each linear layer that tensor parallel's `plan` cuts by its
-    input (RowwiseParallel: the weight's last dimension) leaves whole blocks on every tp rank."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and held_in_blocks(module.weight) and any(
-                isinstance(style, RowwiseParallel) and fnmatch(name, path)
-                for path, style in plan.items()):
-            if module.in_features // tp % BLOCK:
-                raise _grid_cut(module.in_features, module.in_features // tp)
+def rowwise_inputs(model: nn.Module, plan: dict) -> set[int]:
+    """The input widths of `model`'s linear layers that tensor parallel's `plan` cuts by input
+    (RowwiseParallel: the weight's last dimension) and whose moments are held in blocks."""
+    return {module.in_features for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and held_in_blocks(module.weight)
+            and any(isinstance(style, RowwiseParallel) and fnmatch(name, path)
+                    for path, style in plan.items())}
+
+
+def check_tp_grid(widths: set[int], tp: int) -> None:
+    """Before launch: each of those `widths` (rowwise_inputs) leaves whole blocks on every tp
+    rank."""
+    for width in sorted(widths):
+        if width // tp % BLOCK:
+            raise _grid_cut(width, width // tp)
 
 
 def _codes_back(optimizer: torch.optim.Optimizer) -> None:
