@@ -1,4 +1,4 @@
-"""A checkpoint on disk: atomic publishing, verification, and reading DCP's metadata safely.
+"""A checkpoint on disk: atomic publishing, verification, and finding the newest.
 
 A checkpoint is written to `step_N.tmp/` and published as `step_N/` by a rename, once every
 rank's files are on disk and a manifest of their sizes and CRC32s has been written. A directory
@@ -7,31 +7,22 @@ without the `.tmp` suffix is therefore complete, and the manifest tells a damage
 
 from __future__ import annotations
 
-import enum
 import json
 import os
-import pickle
 import time
 import zlib
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta
 
-from trainer.errors import ConfigError
+from trainer.checkpoint.metadata import CheckpointError
 
 MANIFEST = "manifest.json"
 MODEL_CONFIG = "model.yaml"
 # In a LoRA run's checkpoint: the peft keys it trained with and its frozen base (`base`: the
 # checkpoint.initial it started from; null: the base the seed drew).
 ADAPTER_CONFIG = "adapter.yaml"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that is missing, incomplete or damaged."""
 
 
 def adapter_base(initial: str | None) -> str | None:
@@ -65,51 +56,6 @@ def adapter_layers(names) -> list[str]:
 
 class SaveFailed(Exception):
     """A rank could not write its part of a checkpoint (raised on every rank)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata and nothing else: its own classes, torch dtypes and sizes, paths."""
-
-    OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-              ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-              ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str):
-        # how some Python versions pickle an enum member
-        if (module, name) == ("builtins", "getattr"):
-            return _enum_member
-        allowed = (module.startswith("torch.distributed.checkpoint.")
-                   or (module, name) in self.OTHERS
-                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} does not belong in checkpoint metadata")
-        return super().find_class(module, name)
-
-
-def _enum_member(cls, name: str):
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
-        return cls[name]
-    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) does not belong in checkpoint "
-                                 "metadata")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader, with its metadata read through the allow-list above (DCP itself uses a
-    plain pickle.load, which would run whatever a crafted file names)."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise CheckpointError(f"{self.path} is not a readable checkpoint: {path.name}: "
-                                  f"{e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
 
 
 def _crc32(path: Path) -> int:

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint.folders import CheckpointError, SafeReader, verify
+from trainer.checkpoint.folders import CheckpointError, verify
 from trainer.checkpoint.hf import hf_tensors, write_hf_config
+from trainer.checkpoint.metadata import SafeReader
 from trainer.checkpoint.safetensors_io import encode_header
 from trainer.checkpoint.state import quiet_single_process
 from trainer.config.schema import ModelConfig

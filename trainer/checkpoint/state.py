@@ -2,7 +2,8 @@
 
 The model and optimizer state are saved under the whole model's parameter names (a pipeline
 stage keeps the names of the whole model), as DTensor shards that DCP reassembles for whatever
-layout loads them. Only tensors are saved, so loading never unpickles an object from a file.
+layout loads them. Only tensors are saved, and a checkpoint whose metadata declares anything else
+is refused before DCP reads it (metadata.py), so loading never unpickles an object from a file.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from trainer.checkpoint.folders import (
     ADAPTER_CONFIG,
     MODEL_CONFIG,
     CheckpointError,
-    SafeReader,
     publish,
     rank_world,
     verify,
 )
 from trainer.checkpoint.hf import config_from_hf, is_hf_dir
 from trainer.checkpoint.hf_import import load_hf_slices
+from trainer.checkpoint.metadata import SafeReader
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
 from trainer.config.schema import ModelConfig, shape_keys
 from trainer.errors import ConfigError

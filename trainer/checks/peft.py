@@ -14,11 +14,11 @@ from trainer.checkpoint.folders import (
     ADAPTER_CONFIG,
     MANIFEST,
     CheckpointError,
-    SafeReader,
     adapter_layers,
     check_same_method,
     checkpoint_steps,
 )
+from trainer.checkpoint.metadata import SafeReader
 from trainer.config.schema import JobConfig, PeftConfig
 from trainer.errors import ConfigError
 from trainer.models import build_model, family
