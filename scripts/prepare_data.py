@@ -27,9 +27,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.data.cache import TokenWriter  # noqa: E402
-from trainer.data.readers import Problems, documents  # noqa: E402
+from trainer.data.readers import Problems, documents, text_paths  # noqa: E402
 from trainer.data.tokenizer import CHUNK_CHARS, build_tokenizer, encode_pieces, pieces  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
+from trainer.safe_write import check_new_output  # noqa: E402
 
 GROUP_CHARS = 4 * CHUNK_CHARS  # text handed to a worker at once
 
@@ -99,6 +100,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     try:
+        # (nothing is overwritten: not an earlier output, and not a file the glob reads)
+        for out in (args.out, Path(f"{args.out}.json")):
+            check_new_output(out, text_paths(args.inputs, args.source))
         prepare(args.inputs, args.out, args.source, args.text_field, args.tokenizer, args.workers)
     except ConfigError as e:
         sys.exit(f"error: {e}")

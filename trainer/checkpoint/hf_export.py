@@ -19,6 +19,7 @@ from trainer.checkpoint.metadata import SafeReader
 from trainer.checkpoint.safetensors_io import encode_header
 from trainer.checkpoint.state import quiet_single_process
 from trainer.config.schema import ModelConfig
+from trainer.safe_write import check_new_output
 
 INDEX = "model.safetensors.index.json"
 
@@ -55,8 +56,7 @@ def write_hf(shape_of, tensor_of, cfg: ModelConfig, out: Path, dtype: torch.dtyp
     """Writes the weights of model `cfg` as a Hugging Face directory `out` (new or empty), each of
     our weights fetched whole by `tensor_of(name)` when its turn comes (`shape_of(name)`: its
     shape, known before); returns the number of shards."""
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
+    check_new_output(out)
     entries = []
     for hf_name, ours, expert in hf_tensors(cfg):
         shape = shape_of(ours)

@@ -23,6 +23,7 @@ from trainer.checkpoint.state import load_weights, save_weights
 from trainer.config.schema import ModelConfig
 from trainer.models import build_model, materialize
 from trainer.models.lora import is_adapter
+from trainer.safe_write import check_new_output
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -54,8 +55,7 @@ def export_peft(checkpoint: Path, cfg: ModelConfig, out: Path,
                 dtype: torch.dtype = torch.float32, base: str | None = None) -> int:
     """Writes a LoRA checkpoint's adapters as a PEFT adapter directory `out`; returns how many
     layers take adapters."""
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
+    check_new_output(out)
     peft, adapters = read_adapters(checkpoint)
     sources = hf_sources(cfg)
     tensors = {peft_name(cfg, ours, sources): t.to(dtype).contiguous()

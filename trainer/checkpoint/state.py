@@ -39,11 +39,11 @@ from trainer.checkpoint.hf_import import load_hf_slices
 from trainer.checkpoint.metadata import SafeReader
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
 from trainer.config.schema import ModelConfig, shape_keys
-from trainer.errors import ConfigError
 from trainer.float8 import plain
 from trainer.models import copy_full, model_config
 from trainer.models.lora import has_adapters, is_adapter
 from trainer.models.nf4 import is_nf4
+from trainer.safe_write import check_new_output, temporary_beside
 from trainer.tensors import local_tensor
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -229,21 +229,21 @@ def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: Path,
     """Writes full weights as a weights-only checkpoint (a seed or converted one), from one process,
     with `tokenizer`'s files (data.tokenizer's form) when given; `adapter` (the peft keys and base
     of LoRA adapters, which `weights` then are)."""
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty; choose a new directory")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    OmegaConf.save(OmegaConf.structured(cfg), tmp / MODEL_CONFIG)
-    if tokenizer is not None:
-        copy_tokenizer(tokenizer, tmp)
-    if adapter is not None:
-        OmegaConf.save(OmegaConf.create(adapter), tmp / ADAPTER_CONFIG)
-    with quiet_single_process():
-        dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
-    if out.exists():
-        out.rmdir()
-    publish(tmp, out, 0, 0, 1)
+    check_new_output(out)
+    tmp = temporary_beside(out, folder=True)
+    try:
+        OmegaConf.save(OmegaConf.structured(cfg), tmp / MODEL_CONFIG)
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, tmp)
+        if adapter is not None:
+            OmegaConf.save(OmegaConf.create(adapter), tmp / ADAPTER_CONFIG)
+        with quiet_single_process():
+            dcp.save({"model": weights}, checkpoint_id=tmp, no_dist=True)
+        if out.exists():  # (an empty folder: check_new_output took no other)
+            out.rmdir()
+        publish(tmp, out, 0, 0, 1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (gone already, renamed, when all went well)
 
 
 def saved_config(path: Path) -> ModelConfig | None:

@@ -19,6 +19,7 @@ import numpy as np
 from trainer.data.readers import Problems, TokenFile, documents, read_token_file, text_paths
 from trainer.data.tokenizer import build_tokenizer, encode_documents, is_bytes
 from trainer.errors import ConfigError
+from trainer.safe_write import temporary_beside
 
 # bumped when the tokens written for the same input would change (2: empty files skipped)
 CACHE_FORMAT = 2
@@ -33,8 +34,7 @@ class TokenWriter:
     def __init__(self, out: Path, tokenizer):
         self.out, self.tokenizer, self.tokens = Path(out), tokenizer, 0
         self.dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.out.with_name(f"{self.out.name}.tmp{os.getpid()}")
+        self.tmp = temporary_beside(self.out)
 
     def __enter__(self) -> TokenWriter:
         self.file = open(self.tmp, "wb")

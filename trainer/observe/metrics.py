@@ -11,6 +11,7 @@ import torch
 from trainer.hardware import cuda_peak_tflops, measure_cpu_tflops
 from trainer.models import family
 from trainer.observe.summary import duration
+from trainer.safe_write import move_aside
 
 
 def flops_per_token(model, seq_len: int, frozen_base: bool = False) -> float:
@@ -92,7 +93,7 @@ class MetricsLogger:
 
             # an earlier run's curves, kept aside
             if step == 0 and any(self.tensorboard.glob("events.*")):
-                _move_aside(self.tensorboard, "tensorboard.before-{}", "events")
+                _move_aside(self.tensorboard, "events")
             # A resumed run's events after its step (written before it stopped) are purged from the
             # curves: each step shows once.
             self.writer = SummaryWriter(str(self.tensorboard),
@@ -100,7 +101,7 @@ class MetricsLogger:
 
     def _keep_until(self, step: int) -> None:
         if step == 0:
-            _move_aside(self.path, "metrics.before-{}.jsonl", "rows")
+            _move_aside(self.path, "rows")
             return
         rows = self.path.read_text().splitlines(keepends=True)
         kept = [line for line in rows if _step_of(line) <= step]
@@ -132,10 +133,9 @@ class MetricsLogger:
             self.writer.close()
 
 
-def _move_aside(path: Path, pattern: str, what: str) -> None:
-    """Renames an earlier run's `path` beside itself (`pattern` with the time), saying so."""
-    aside = path.with_name(pattern.format(time.strftime("%Y%m%d-%H%M%S")))
-    path.rename(aside)
+def _move_aside(path: Path, what: str) -> None:
+    """Renames an earlier run's `path` beside itself (NAME.before-DATE), saying so."""
+    aside = move_aside(path, "before")
     print(f"metrics: {path} held an earlier run's {what}; moved it to {aside.name}", flush=True)
 
 

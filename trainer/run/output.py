@@ -1,4 +1,4 @@
-"""The output folder: writable, and held by one job at a time.
+"""The output folder: writable, held by one job at a time, and nothing in it overwritten.
 
 Rank 0 holds an exclusive lock (flock) on output_dir/.lock for the job's life, with its host, pid
 and start time written in it. A second job on the same folder finds the lock taken and stops at
@@ -15,10 +15,26 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from trainer.errors import ConfigError
+from trainer.safe_write import move_aside, temporary_beside
 
 LOCK_NAME = ".lock"
+
+
+def save_config(output_dir: Path, config: dict, log) -> None:
+    """Writes output_dir/config.yaml (rank 0): one there that says something else (an earlier run's,
+    or a file of the user's) is moved aside first, kept as config.before-DATE.yaml."""
+    path = output_dir / "config.yaml"
+    tmp = temporary_beside(path)
+    OmegaConf.save(OmegaConf.create(config), tmp)
+    if path.is_file() and path.read_bytes() == tmp.read_bytes():
+        tmp.unlink()
+        return
+    if path.exists() or path.is_symlink():
+        log(f"output: {path} held another config; moved it to {move_aside(path, 'before').name}")
+    tmp.rename(path)
 
 
 def check_writable(output_dir: str) -> None:
