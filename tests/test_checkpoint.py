@@ -29,6 +29,7 @@ from reference import cross_entropy
 
 from trainer import build_model, load_weights
 from trainer.checkpoint import CheckpointError, folders, verify
+from trainer.checkpoint.ownership import SAVE_MARKER
 from trainer.checks.job import check_config
 from trainer.checks.overrides import compose_job
 from trainer.config.schema import JobConfig
@@ -128,8 +129,9 @@ def test_resume_under_another_layout(case, tmp_path):
 
 @pytest.mark.multiprocess
 def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
-    """keep_last prunes; a damaged checkpoint is refused by name and skipped by resume=auto;
-    a save that never finished (.tmp) is never a candidate."""
+    """keep_last prunes; a damaged checkpoint is refused by name and skipped (then set aside) by
+    resume=auto; a save that never finished (.tmp) is never a candidate, and is removed only if it
+    carries this trainer's marker."""
     out = tmp_path / "run"
     records = run(1, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=3",
                   "checkpoint.keep_last=2", output_dir=out)
@@ -141,8 +143,10 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    (folder / "step_12.tmp").mkdir()
-    (folder / "step_12.tmp" / ".metadata").write_bytes(b"partial")
+    for step in (11, 12):
+        (folder / f"step_{step}.tmp").mkdir()
+        (folder / f"step_{step}.tmp" / ".metadata").write_bytes(b"partial")
+    (folder / "step_11.tmp" / SAVE_MARKER).write_text("a run")  # a save of ours, cut short
 
     named = launch(1, "+recipe=llama_fsdp", *LLAMA, f"checkpoint.resume={folder / 'step_10'}",
                    output_dir=tmp_path / "named")
@@ -158,7 +162,11 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     assert f"resumed from {folder / 'step_9'} at step 9" in auto.stdout
     assert by_step(read_metrics(out))[10]["loss"] == records[-1]["loss"]
     assert verify(folder / "step_10") is None  # saved again, whole
-    assert not (folder / "step_12.tmp").exists()
+    (damaged,) = folder.glob("step_10.damaged-*")
+    assert verify(damaged) is not None  # kept, as it was
+    assert not (folder / "step_11.tmp").exists()
+    assert (folder / "step_12.tmp" / ".metadata").read_bytes() == b"partial"  # not ours: kept
+    assert "left step_12.tmp" in auto.stdout
 
 
 def _resume_with_a_stale_listing(rank, world, folder):

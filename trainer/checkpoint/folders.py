@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import zlib
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.metadata import CheckpointError
+from trainer.safe_write import move_aside
 
 MANIFEST = "manifest.json"
 MODEL_CONFIG = "model.yaml"
@@ -83,25 +83,24 @@ def _gather(value, world: int, group=None) -> list:
     return out
 
 
-def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None) -> None:
+def publish(tmp: Path, final: Path, step: int, rank: int, world: int, group=None,
+            run: str | None = None) -> None:
     """Collective (over `group`, default the world): checksums the files of a finished save, writes
-    the manifest, renames tmp to final."""
+    the manifest (with the `run` that saved it), renames tmp to final."""
     sums = {k: v for part in _gather(_sums(tmp, rank, world), world, group)
             for k, v in part.items()}
 
     def write_manifest() -> None:
         with open(tmp / MANIFEST, "w") as f:
-            json.dump({"step": step, "files": sums}, f, indent=1)
+            json.dump({"step": step, "run": run, "files": sums}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
 
     def rename() -> None:
         if final.exists():  # the same step saved again: the one there is kept, under another name
-            aside = final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-            final.rename(aside)
+            aside = move_aside(final, "replaced")
             print(f"checkpoint: {final} existed (a checkpoint is never overwritten): moved it to "
-                  f"{aside}",
-                  flush=True)
+                  f"{aside}", flush=True)
         tmp.rename(final)
 
     on_rank_0(write_manifest, tmp / MANIFEST, rank, world, group, then=rename)
@@ -130,17 +129,47 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     return found[0] if found else None
 
 
+NO_FOLDER = "no such directory"
+NO_MANIFEST = f"no {MANIFEST}: an incomplete save, or not a checkpoint of this trainer"
+
+
+def is_not_a_checkpoint(problem: str) -> bool:
+    """Whether verify()'s `problem` says the folder is no checkpoint at all (not a damaged one)."""
+    return problem in (NO_FOLDER, NO_MANIFEST)
+
+
+def read_manifest(path: Path) -> dict | str:
+    """Checkpoint `path`'s manifest, or what is wrong with it."""
+    if not path.is_dir():
+        return NO_FOLDER
+    if not (path / MANIFEST).is_file():
+        return NO_MANIFEST
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        if not (isinstance(files, dict) and all(
+                isinstance(v, list) and len(v) == 2 and all(isinstance(n, int) for n in v)
+                for v in files.values())):
+            raise ValueError("its files are not a mapping of names to [size, CRC32]")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    return manifest
+
+
+def run_of(path: Path) -> str | None:
+    """The run that saved checkpoint `path` (its manifest's `run`; None for none, or a checkpoint
+    of a version of this trainer that did not record it)."""
+    manifest = read_manifest(path)
+    run = manifest.get("run") if isinstance(manifest, dict) else None
+    return run if isinstance(run, str) else None
+
+
 def _problem(path: Path, rank: int, world: int) -> str | None:
     """What is wrong with this rank's share of checkpoint `path`'s files, if anything."""
-    manifest = path / MANIFEST
-    if not path.is_dir():
-        return "no such directory"
-    if not manifest.is_file():
-        return f"no {MANIFEST}: an incomplete save, or not a checkpoint of this trainer"
-    try:
-        expected = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return f"{MANIFEST} is unreadable ({e})"
+    manifest = read_manifest(path)
+    if isinstance(manifest, str):
+        return manifest
+    expected = manifest["files"]
     missing = sorted(set(expected) - {p.name for p in _files(path)})
     if missing:
         return f"missing {missing[0]}"
@@ -165,9 +194,11 @@ def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_resume(folder: Path | list[Path], rank: int, world: int, log) -> Path | None:
+def find_resume(folder: Path | list[Path], rank: int, world: int, log,
+                skipped: list | None = None) -> Path | None:
     """Collective: the newest complete, undamaged checkpoint in `folder` (or in any of several:
-    the replica groups' under fault tolerance), skipping damaged ones.
+    the replica groups' under fault tolerance), skipping damaged ones (each said, and added to
+    `skipped` as (path, what is wrong)).
 
     Rank 0's listing of the folder decides: on a shared filesystem that caches attributes (NFS,
     Lustre) ranks restarted quickly can list different newest checkpoints, and would load different
@@ -184,6 +215,8 @@ def find_resume(folder: Path | list[Path], rank: int, world: int, log) -> Path |
         if problem is None:
             return path
         log(f"checkpoint: skipping {path}: {problem}")
+        if skipped is not None:
+            skipped.append((path, problem))
     return None
 
 

@@ -1,7 +1,7 @@
-"""A rerun into an output_dir whose checkpoints it would resume must train what they trained: the
-keys that shape the training (the model, the data, the optimizer, the batch, lr, seed, precision)
-are held against the config.yaml saved beside them. Steps, layout, logging and checkpointing may
-change."""
+"""A rerun resumes only a checkpoint trained with its settings: the keys that shape the training
+(the model, the data, the optimizer, the batch, lr, seed, precision) are held against the config
+saved inside the checkpoint itself (what the output_dir's config.yaml says now does not count).
+Steps, layout, logging and checkpointing may change."""
 
 from __future__ import annotations
 
@@ -19,23 +19,42 @@ from trainer.optim.spec import optimizer_config, state_change
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size",
                  "training.lr", "training.warmup_steps", "training.weight_decay",
                  "training.max_norm", "training.seed", "training.mixed_precision.")
+# In each checkpoint: the composed config of the run that saved it.
+TRAINED_CONFIG = "config.yaml"
 
 
 def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> str | None:
-    """A config error when this job would resume output_dir's checkpoints with other training
-    settings than config.yaml says they were trained with (unless
-    checkpoint.allow_config_change=true). Returns a line to say when it resumes them with another
-    number of steps: the schedule changes."""
-    saved_file = Path(output_dir) / "config.yaml"
+    """Before launch: a config error when this job would resume output_dir's newest checkpoint
+    with other training settings than it was trained with (unless checkpoint.allow_config_change=
+    true). Returns a line to say when it resumes it with another number of steps: the schedule
+    changes."""
     if not (checkpoint.enabled and checkpoint.resume == "auto"):
         return None
-    steps = [step for step, path in checkpoint_steps(Path(output_dir) / "checkpoints")
-             if (path / MANIFEST).is_file()]
-    if not saved_file.is_file() or not steps:
+    published = [path for _, path in checkpoint_steps(Path(output_dir) / "checkpoints")
+                 if (path / MANIFEST).is_file()]
+    return check_settings(config, checkpoint, published[-1]) if published else None
+
+
+def trained_with(path: Path) -> dict | None:
+    """The config checkpoint `path` was trained with: its own, or (saved by a version of this
+    trainer that kept none in it) its run's config.yaml; None if neither is there."""
+    for file in (path / TRAINED_CONFIG, path.parent.parent / "config.yaml"):
+        if file.is_file():
+            try:
+                return OmegaConf.to_container(OmegaConf.load(file))
+            except Exception as e:  # noqa: BLE001 (a damaged or foreign YAML: one line)
+                raise ConfigError(f"{file} is not a config this trainer wrote: {e}") from None
+    return None
+
+
+def check_settings(config: dict, checkpoint: CheckpointConfig, path: Path) -> str | None:
+    """A config error when checkpoint `path` was trained with other training settings than
+    `config`'s; else the line on a changed schedule, if any."""
+    trained = trained_with(path)
+    if trained is None:
         return None
-    (saved, saved_model), (now, model) = (_read(OmegaConf.to_container(OmegaConf.load(saved_file))),
-                                          _read(config))
-    # A key a config lacks has its default: one added since config.yaml was written had it then.
+    (saved, saved_model), (now, model) = _read(trained), _read(config)
+    # A key a config lacks has its default: one added since the checkpoint was saved had it then.
     defaults = _flat(OmegaConf.to_container(OmegaConf.structured(JobConfig)))
     saved, now = {**defaults, **saved}, {**defaults, **now}
     changed = [f"{key}={saved.get(key)} -> {now.get(key)}"
@@ -44,21 +63,22 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
     # The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
     shape = tuple(f"model.{name}=" for cfg in (saved_model, model) if cfg is not None
                   for name in shape_keys(cfg))
+    where = f"output_dir={path.parent.parent}"
     if any(key.startswith(shape) for key in changed):  # not resumable at all: no flag offered
-        raise ConfigError(f"output_dir={output_dir} holds checkpoints of another model "
+        raise ConfigError(f"{where} holds checkpoints of another model "
                           f"({', '.join(c for c in changed if c.startswith(shape))}), which cannot "
                           "be resumed with this one; choose another output_dir "
                           "(checkpoint.initial=... takes weights of the same shape only)")
     change = state_change(saved, now)
     if change is not None:
-        raise ConfigError(f"output_dir={output_dir} holds checkpoints {change}; choose another "
-                          "output_dir and start from their weights with checkpoint.initial="
-                          f"{Path(output_dir) / 'checkpoints' / f'step_{steps[-1]}'}")
+        raise ConfigError(f"{where} holds checkpoints {change}; choose another output_dir and "
+                          f"start from their weights with checkpoint.initial={path}")
     if changed and not checkpoint.allow_config_change:
-        raise ConfigError(f"output_dir={output_dir} holds checkpoints trained with other settings "
+        raise ConfigError(f"{where} holds checkpoints trained with other settings "
                           f"({', '.join(changed[:8])}); choose another output_dir, or set "
-                          f"checkpoint.allow_config_change=true to resume them with these")
-    return _schedule_change(saved, now, steps[-1])
+                          "checkpoint.allow_config_change=true to resume them with these")
+    step = path.name.partition("_")[2]
+    return _schedule_change(saved, now, int(step)) if step.isdigit() else None
 
 
 def _schedule_change(saved: dict, now: dict, step: int) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,12 +24,22 @@ from trainer.checkpoint.folders import (
     check_same_method,
     checkpoint_steps,
     find_resume,
+    is_not_a_checkpoint,
     newest_step,
     on_rank_0,
     publish,
     rank_world,
     verify,
 )
+from trainer.checkpoint.ownership import (
+    clean_unfinished,
+    continued_run,
+    is_own_save,
+    rotate,
+    set_aside_others,
+    start_save,
+)
+from trainer.checkpoint.rerun import TRAINED_CONFIG, check_settings
 from trainer.checkpoint.state import TrainState, check_same_shape, load_weights, saved_config
 from trainer.checkpoint.tokenizer_files import copy_tokenizer
 from trainer.config.schema import ModelConfig
@@ -36,11 +47,12 @@ from trainer.distributed import gloo_group, max_restarts, restart_count
 from trainer.errors import TrainingStopped
 
 
-def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelConfig,
-            log) -> tuple[int, int, int | None]:
+def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelConfig, log,
+            config: dict | None = None) -> tuple[int, int, int | None, Path | None]:
     """Collective: loads what checkpoint.* asks for (`cfg`: a CheckpointConfig; `resume=auto` looks
-    in `folder`, or folders); returns the step and data position to go on from and the world size
-    that saved them: (0, 0, None) for a fresh start."""
+    in `folder`, or folders, for a checkpoint trained with `config`'s settings); returns the step
+    and data position to go on from, the world size that saved them and the checkpoint resumed:
+    (0, 0, None, None) for a fresh start."""
     rank, world = rank_world()
     path = None
     if cfg.resume not in ("auto", "none"):
@@ -49,7 +61,9 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
         if problem is not None:
             raise CheckpointError(f"checkpoint.resume={cfg.resume} cannot be loaded: {problem}")
     elif cfg.resume == "auto" and cfg.enabled:
-        path = find_resume(folder, rank, world, log)
+        path = newest_undamaged(folder, rank, world, log)
+        if path is not None and config is not None:
+            check_settings(config, cfg, path)
     if path is not None:
         check_same_shape(model_cfg, saved_config(path), f"checkpoint.resume={path}")
         base = check_same_method(path, state.adapted)
@@ -63,12 +77,28 @@ def restore(cfg, state: TrainState, folder: Path | list[Path], model_cfg: ModelC
         restarted = f"restart {restarts} of at most {max_restarts()}: " if restarts else ""
         log(f"checkpoint: {restarted}resumed from {path} at step {step} "
             f"(loaded in {time.perf_counter() - started:.2f}s)")
-        return step, position, saved_world
+        return step, position, saved_world, path
     if cfg.initial:
         load_weights(list(state.model), newest_step(Path(cfg.initial), "checkpoint.initial", log),
                      key="checkpoint.initial")
         log(f"checkpoint: initial weights from {cfg.initial}")
-    return 0, 0, None
+    return 0, 0, None, None
+
+
+def newest_undamaged(folder: Path | list[Path], rank: int, world: int, log) -> Path | None:
+    """Collective: resume=auto's checkpoint (find_resume's); when every checkpoint there is damaged,
+    a refusal naming them, not a fresh start over a run's lost progress."""
+    skipped: list[tuple[Path, str]] = []
+    path = find_resume(folder, rank, world, log, skipped)
+    damaged = [(p, why) for p, why in skipped if not is_not_a_checkpoint(why)]
+    if path is None and damaged:
+        listed = "; ".join(f"{p}: {why}" for p, why in damaged[:4])
+        raise CheckpointError(f"checkpoint.resume=auto: every checkpoint is damaged ({listed}"
+                              f"{'; ...' if len(damaged) > 4 else ''}); nothing was resumed or "
+                              "changed. To start afresh, add checkpoint.resume=none (they are then "
+                              "set aside, kept); or resume one by name, "
+                              "checkpoint.resume=PATH")
+    return path
 
 
 def roll_back(state: TrainState, folder: Path, checkpointer: Checkpointer, log) -> int | None:
@@ -94,14 +124,17 @@ class Checkpointer:
     removal of old checkpoints happen on a background thread, over a gloo group of their own."""
 
     def __init__(self, folder: Path, interval: int, keep_last: int, async_save: bool,
-                 model_config: dict, device: torch.device, tokenizer: str = "bytes",
+                 config: dict, device: torch.device, tokenizer: str = "bytes",
                  adapter: dict | None = None):
         self.folder, self.interval = folder, interval
         self.adapter = adapter  # a LoRA run's peft keys and base (ADAPTER_CONFIG)
         self.keep_last, self.async_save = keep_last, async_save
-        # (data.tokenizer: its files go in each save)
-        self.model_config, self.tokenizer = model_config, tokenizer
+        # the config the run trains with, in each save (what a rerun is held to); data.tokenizer's
+        # files go in each save too
+        self.config, self.tokenizer = config, tokenizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.log = partial(print, flush=True) if self.rank == 0 else lambda *_: None
+        self.run = continued_run("none", None)  # until continue_run() says which run this is
         self.group = self.stager = self.background = None
         if async_save:
             # Async saves run their collectives on a group of their own, apart from training's.
@@ -117,9 +150,15 @@ class Checkpointer:
         self.before_publish = lambda step: None
         self.started = self.blocked = 0.0  # when the last save began; how long it held up training
         if self.rank == 0:
-            for stale in folder.glob("step_*.tmp"):  # a save that never finished
-                shutil.rmtree(stale, ignore_errors=True)
+            clean_unfinished(folder, self.log)
             folder.mkdir(parents=True, exist_ok=True)
+
+    def continue_run(self, resume: str, resumed: Path | None) -> None:
+        """Which run this job is, once its checkpoint is resumed (`resumed`; None: a fresh start):
+        the checkpoints of its folder it does not continue are set aside before it saves any."""
+        self.run = continued_run(resume, resumed)
+        if self.rank == 0:
+            set_aside_others(self.folder, self.run, resumed, self.log)
 
     def after_step(self, step: int, last_step: int, state_fn, stop: bool = False) -> None:
         """Collective, after each optimizer step: saves when due, or at once when the job stops
@@ -148,8 +187,9 @@ class Checkpointer:
         tmp, final = self._paths(step)
 
         def start_folder() -> None:
-            tmp.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(OmegaConf.create(self.model_config), tmp / MODEL_CONFIG)
+            start_save(tmp, self.run, self.log)
+            OmegaConf.save(OmegaConf.create(self.config["model"]), tmp / MODEL_CONFIG)
+            OmegaConf.save(OmegaConf.create(self.config), tmp / TRAINED_CONFIG)
             copy_tokenizer(self.tokenizer, tmp)
             if self.adapter is not None:
                 OmegaConf.save(OmegaConf.create(self.adapter), tmp / ADAPTER_CONFIG)
@@ -188,7 +228,7 @@ class Checkpointer:
             error = next(iter(error.failures.values()))[0]
         # A full disk shows as ENOSPC, or as a short write deep in torch.save: say how full it is.
         free = shutil.disk_usage(self.folder).free / 2**20
-        if self.rank == 0:
+        if self.rank == 0 and is_own_save(self._paths(step)[0]):
             shutil.rmtree(self._paths(step)[0], ignore_errors=True)
         saved = checkpoint_steps(self.folder)
         kept = (f"the newest checkpoint is still {saved[-1][1]}" if saved
@@ -199,16 +239,13 @@ class Checkpointer:
 
     def _publish(self, step: int, group=None) -> None:
         tmp, final = self._paths(step)
-        publish(tmp, final, step, self.rank, self.world, group)
+        publish(tmp, final, step, self.rank, self.world, group, self.run)
         if self.rank == 0:
             took = time.perf_counter() - self.started
             blocked = (f"training held up {self.blocked:.2f}s" if self.blocked is not None
                        else "synchronous")
-            print(f"checkpoint: saved step {step} to {final} in {took:.2f}s ({blocked})",
-                  flush=True)
-            if self.keep_last > 0:
-                for _, old in checkpoint_steps(self.folder)[: -self.keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
+            self.log(f"checkpoint: saved step {step} to {final} in {took:.2f}s ({blocked})")
+            rotate(self.folder, self.run, self.keep_last, final)
 
     def close(self) -> None:
         self.wait()

@@ -272,17 +272,20 @@ class Trainer:
 
 
 def resume(job: JobConfig, dims: ParallelDims, checkpoint: CheckpointConfig, state: TrainState,
-           data: StepData, folders: Path | list[Path], log) -> int:
-    """Loads what checkpoint.* asks for (resume=auto: the newest in `folders`); returns the step to
-    go on from, with the data's position set to it (collective)."""
+           data: StepData, folders: Path | list[Path], log,
+           config: dict) -> tuple[int, Path | None]:
+    """Loads what checkpoint.* asks for (resume=auto: the newest in `folders`, trained with
+    `config`'s settings); returns the step to go on from, with the data's position set to it, and
+    the checkpoint resumed (collective)."""
     t = job.training
-    start_step, position, saved_world = restore(checkpoint, state, folders, job.model, log)
+    start_step, position, saved_world, resumed = restore(checkpoint, state, folders, job.model, log,
+                                                         config)
     if saved_world is not None and saved_world != dims.world_size:
         log(f"world changed from {saved_world} to {dims.world_size} ranks: "
             f"{describe_layout(dims)}, grad_accum_steps={dims.grad_accum_steps}, the global batch "
             f"of {t.global_batch_size} sequences kept")
     data.loader.offset = position - start_step * t.global_batch_size
-    return start_step
+    return start_step, resumed
 
 
 def compiled_graphs() -> int:

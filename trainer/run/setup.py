@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch import nn
 
 from trainer.checkpoint import Checkpointer, TrainState
@@ -41,6 +40,7 @@ from trainer.parallel.build import build_model_parts, build_options
 from trainer.parallel.dims import ParallelDims
 from trainer.run.loop import Trainer, resume
 from trainer.run.moe_upkeep import MoEUpkeep
+from trainer.run.output import save_config
 from trainer.run.passes import make_passes
 from trainer.run.stop import StopRequest
 from trainer.step_parts import StepParts
@@ -79,16 +79,18 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
     # A replica group takes its state at its first quorum: from a peer group when one is past step
     # 0, else (the whole job starts) from the newest checkpoint of any group.
     deferred = checkpoint if job.fault_tolerance.enabled else None
-    step = 0 if deferred is not None else resume(job, dims, checkpoint, state, data, checkpoint_dir,
-                                                 log)
+    step, resumed = ((0, None) if deferred is not None
+                     else resume(job, dims, checkpoint, state, data, checkpoint_dir, log, config))
     if rank == 0 and step < t.steps:  # a finished run's config stays as it trained
-        OmegaConf.save(OmegaConf.create(config), output_dir / "config.yaml")
+        save_config(output_dir, config, log)
 
     # (a LoRA run's checkpoints name their frozen base)
     adapter = ({**config["peft"], "base": adapter_base(checkpoint.initial)} if job.peft.method
                else None)
-    checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config["model"], device,
+    checkpointer = build_checkpointer(checkpoint, checkpoint_dir, config, device,
                                       job.data.tokenizer, faults, adapter)
+    if checkpointer is not None and deferred is None:
+        checkpointer.continue_run(checkpoint.resume, resumed)
     # only rank 0 logs mfu
     peak = peak_tflops(device, job.metrics.peak_tflops) if rank == 0 else None
     trainer = Trainer(
@@ -103,12 +105,12 @@ def build_trainer(job: JobConfig, config: dict, dims: ParallelDims, checkpoint: 
                               peak, dims.world_size, step, t.steps),
         guard=StepGuard(t, device), stop=stop, param_mib=param_mib, predicted=predicted,
     )
-    attach(trainer, optimizer, watchdog, faults, deferred)
+    attach(trainer, optimizer, watchdog, faults, deferred, config)
     return trainer
 
 
 def attach(trainer: Trainer, optimizer, watchdog: Watchdog, faults: FaultInjection | None,
-           deferred: CheckpointConfig | None) -> None:
+           deferred: CheckpointConfig | None, config: dict) -> None:
     """What acts around the trainer's steps: the replica groups (under fault tolerance, which
     resume at their first quorum: `deferred`) and the step parts."""
     job, dims, device, log = trainer.job, trainer.dims, trainer.device, trainer.log
@@ -117,7 +119,8 @@ def attach(trainer: Trainer, optimizer, watchdog: Watchdog, faults: FaultInjecti
         trainer.replicas = ReplicaGroups(job, trainer.model, optimizer,
                                          (trainer.progress, trainer.set_progress), device, log,
                                          watchdog.phase,
-                                         partial(resume_at_first_quorum, trainer, deferred))
+                                         partial(resume_at_first_quorum, trainer, deferred,
+                                                 config))
         trainer.replicas.set_step(step)
     health = health_check(job, dims, device, trainer.stop.group, log)
     parts = build_step_parts(job, dims, device, trainer.model, trainer.model_parts, optimizer,
@@ -128,22 +131,26 @@ def attach(trainer: Trainer, optimizer, watchdog: Watchdog, faults: FaultInjecti
     trainer.step_parts = StepParts(parts)
 
 
-def resume_at_first_quorum(trainer: Trainer, checkpoint: CheckpointConfig, received: bool) -> None:
+def resume_at_first_quorum(trainer: Trainer, checkpoint: CheckpointConfig, config: dict,
+                           received: bool) -> None:
     """Under fault tolerance, after a replica group's first quorum: unless a peer group's state came
-    in it, every group is at step 0 and resumes from the newest checkpoint of any group."""
+    in it, every group is at step 0 and resumes from the newest checkpoint of any group (and its
+    checkpoints continue that checkpoint's run; a group that took a peer's state keeps its own)."""
     if not received and trainer.step == 0:
         trainer.step_parts.enter("resume", long=True)
         job = trainer.job
         groups = [trainer.checkpoint_dir.parent.parent / f"replica_group_{g}" / "checkpoints"
                   for g in range(job.parallel.dp_replicate)]
-        step = resume(job, trainer.dims, checkpoint, trainer.state, trainer.data, groups,
-                      trainer.log)
+        step, resumed = resume(job, trainer.dims, checkpoint, trainer.state, trainer.data, groups,
+                               trainer.log, config)
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.continue_run(checkpoint.resume, resumed)
         trainer.set_progress({"step": step, "data_offset": trainer.data.loader.offset})
         trainer.replicas.set_step(trainer.step)
     trainer.logger.begin(trainer.step)
 
 
-def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, model_config: dict,
+def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, config: dict,
                        device: torch.device, tokenizer: str,
                        faults: FaultInjection | None,
                        adapter: dict | None = None) -> Checkpointer | None:
@@ -152,7 +159,7 @@ def build_checkpointer(checkpoint: CheckpointConfig, checkpoint_dir: Path, model
     if not checkpoint.enabled:
         return None
     checkpointer = Checkpointer(checkpoint_dir, checkpoint.interval, checkpoint.keep_last,
-                                checkpoint.async_save, model_config, device, tokenizer, adapter)
+                                checkpoint.async_save, config, device, tokenizer, adapter)
     if faults is not None:
         checkpointer.before_publish = partial(faults.hang_or_kill, "kill_save")
     return checkpointer
