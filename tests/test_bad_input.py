@@ -1,6 +1,7 @@
 """Input files of the wrong kind, and converter mistakes: each one `config error:` naming the file
 and what to do, never a traceback from the library underneath."""
 
+import dataclasses
 import json
 import re
 import runpy
@@ -8,11 +9,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import NEEDS_TORCHAO, NEEDS_TORCHFT
 
 from trainer.checkpoint.hf import config_from_hf
-from trainer.data.readers import documents
+from trainer.config.schema import DataConfig
+from trainer.data import build_dataset
+from trainer.data.packed import SCANNED_TOKENS
+from trainer.data.readers import Problems, documents
 from trainer.data.tokenizer import build_tokenizer
 from trainer.errors import ConfigError
 
@@ -464,3 +469,63 @@ def test_a_recipe_that_does_not_parse_fails_only_the_commands_that_choose_it(tmp
     with pytest.raises(ConfigError,
                        match=r"mine.yaml does not parse \(line 4, column 4\): expected ',' or ']'"):
         overrides.compose_job(["+recipe=mine"])
+
+
+def token_file(path, ids, **description):
+    """A token file of `ids` (uint16) and its .json, the description's keys overridable (None
+    drops one)."""
+    np.asarray(ids, dtype=np.uint16).tofile(path)
+    meta = {"dtype": "uint16", "tokens": len(ids), "vocab_size": 256, "eos_id": 0,
+            **description}
+    Path(f"{path}.json").write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
+
+
+def test_a_token_id_the_vocabulary_does_not_hold_is_named_where_it_is_read(tmp_path):
+    """Before launch for the file's first ids; as its window is read for the rest (on a GPU the
+    embedding would end in a device-side assert naming nothing)."""
+    data = DataConfig(source="binary", path=str(tmp_path / "early.bin"))
+    token_file(tmp_path / "early.bin", [1] * 40 + [5000] + [1] * 600)
+    with pytest.raises(ConfigError, match=r"early.bin holds token id 5000 at token 40, outside "
+                                          r"its vocabulary of 256"):
+        build_dataset(data, 64, 0, "all")
+    late = SCANNED_TOKENS + 100  # past what is checked before launch
+    token_file(tmp_path / "late.bin", [1] * late + [300] + [1] * 100)
+    windows = build_dataset(dataclasses.replace(data, path=str(tmp_path / "late.bin")), 64, 0,
+                            "all")
+    with pytest.raises(ConfigError, match=f"holds token id 300 at token {late}"):
+        windows[late // 64]
+
+
+@pytest.mark.parametrize("description, message", [
+    ({"dtype": None}, r"dtype is None \(missing, or not one of \['uint16', 'uint32'\]\)"),
+    ({"dtype": "float32"}, r"dtype is 'float32'"),
+    ({"tokens": "many"}, r"tokens is 'many' \(missing, or not an integer >= 0\)"),
+    ({"vocab_size": None}, r"vocab_size is None"),
+    ({"eos_id": 999}, r"eos_id is 999, not a token id below its vocab_size 256"),
+    ("{not json", r"is not readable JSON"),
+])
+def test_a_token_files_description_missing_or_wrong_is_one_line(tmp_path, description, message):
+    if isinstance(description, str):
+        token_file(tmp_path / "t.bin", [1] * 100)
+        Path(f"{tmp_path / 't.bin'}.json").write_text(description)
+    else:
+        token_file(tmp_path / "t.bin", [1] * 100, **description)
+    with pytest.raises(ConfigError, match=message):
+        build_dataset(DataConfig(source="binary", path=str(tmp_path / "t.bin")), 16, 0, "all")
+
+
+def test_a_damaged_parquet_page_is_passed_over_and_said_or_refused_when_strict(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(200)]}),
+                   tmp_path / "a.parquet", compression="snappy")
+    raw = bytearray((tmp_path / "a.parquet").read_bytes())
+    raw[100:400] = bytes(b ^ 0x5A for b in raw[100:400])  # inside the first data page
+    (tmp_path / "a.parquet").write_bytes(bytes(raw))
+    problems = Problems(strict=False)
+    assert list(documents("parquet", str(tmp_path / "a.parquet"), problems=problems)) == []
+    assert problems.lines()[0].startswith("data: passed over 1 files with a damaged page")
+    with pytest.raises(ConfigError, match=r"data.strict=true: .*a.parquet after row 0 "
+                                          r"\(.*\): a damaged page"):
+        list(documents("parquet", str(tmp_path / "a.parquet"), problems=Problems(strict=True)))

@@ -21,7 +21,7 @@ from trainer.data.embedded import EmbeddedText, sentence
 from trainer.data.hub import STREAM_VAL_WINDOWS, HubStream
 from trainer.data.loader import BatchLoader, Prefetcher, document_positions
 from trainer.data.mixture import Mixture
-from trainer.data.packed import VAL_FRACTION, PackedTokens
+from trainer.data.packed import SCANNED_TOKENS, VAL_FRACTION, PackedTokens, check_ids
 from trainer.data.readers import documents, read_token_file
 from trainer.data.tokenizer import ByteTokenizer, build_tokenizer, is_bytes
 from trainer.errors import ConfigError
@@ -58,6 +58,9 @@ def build_dataset(data, seq_len: int, seed: int, split: str = "train") -> Datase
         if not is_bytes(data.tokenizer):  # (bytes says nothing: the file's own tokenizer is used)
             check_tokenizer(meta, build_tokenizer(data.tokenizer), what,
                             "prepare it again with this tokenizer")
+        # Before launch, the file's first ids (a file of another tokenizer shows there); each
+        # window is checked again as it is read.
+        check_ids(tokens[:SCANNED_TOKENS], meta["vocab_size"], what)
         return PackedTokens(tokens, seq_len, meta["vocab_size"], meta["eos_id"], split, what)
     assert data.source == "hub", data.source  # (rules.py names the sources)
     return HubStream(data, seq_len, split)

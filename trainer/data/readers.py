@@ -45,9 +45,26 @@ def file_rows(source: str, path: str, problems: Problems) -> Iterable[dict]:
         return json_rows(path, problems)
     if not _is_parquet(path, problems):
         return ()
+    return parquet_rows(path, problems)
+
+
+def parquet_rows(path: str, problems: Problems) -> Iterator[dict]:
+    """The rows of a parquet file (read with Hugging Face `datasets`); from a damaged page on, the
+    file is counted and passed over (pyarrow says what it met)."""
     import datasets
 
-    return datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True)
+    rows = iter(datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True))
+    number = 0
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (OSError, ValueError) as e:  # (pyarrow's errors derive from both)
+            problems.add("damaged", path, f" after row {number} ({str(e).splitlines()[0]})")
+            return
+        number += 1
+        yield row
 
 
 def _is_parquet(path: str, problems: Problems) -> bool:
@@ -77,6 +94,7 @@ class Problems:
         "malformed": ("not a JSON object", "lines that are not a JSON object"),
         "no_text": ("no text in data.text_field", "rows without a text in data.text_field"),
         "empty": ("an empty file", "empty files"),
+        "damaged": ("a damaged page", "files with a damaged page (the rest of each passed over)"),
     }
 
     def __init__(self, strict: bool, live: bool = False):
@@ -217,10 +235,39 @@ def read_token_file(path: str | Path, what: str) -> tuple[TokenFile, dict]:
     if not Path(path).is_file() or not meta_path.is_file():
         raise ConfigError(f"{what} is not a token file with its .json beside it "
                           f"(write one with scripts/prepare_data.py)")
-    meta = json.loads(meta_path.read_text())
+    meta = _description(meta_path)
     expected = meta["tokens"] * np.dtype(meta["dtype"]).itemsize
     if Path(path).stat().st_size != expected:
         raise ConfigError(f"{what} holds {Path(path).stat().st_size} bytes, not the {expected} its "
                           f".json describes ({meta['tokens']} {meta['dtype']} tokens): truncated "
                           "or replaced")
     return TokenFile(path, meta["dtype"], meta["tokens"]), meta
+
+
+TOKEN_DTYPES = ("uint16", "uint32")  # what a token file holds (prepare_data.py's TokenWriter)
+
+
+def _description(meta_path: Path) -> dict:
+    """A token file's .json, with the keys a reader needs, each of its type: else a config error
+    naming the key."""
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{meta_path} is not readable JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{meta_path} holds no JSON object (a token file's description)")
+    counts = {"tokens": 0, "vocab_size": 1}  # each an integer, at least this
+    for key, least in counts.items():
+        value = meta.get(key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise ConfigError(f"{meta_path}: {key} is {value!r} (missing, or not an integer >= "
+                              f"{least}); write the file again with scripts/prepare_data.py")
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        raise ConfigError(f"{meta_path}: dtype is {meta.get('dtype')!r} (missing, or not one of "
+                          f"{list(TOKEN_DTYPES)}); write the file again with "
+                          "scripts/prepare_data.py")
+    eos = meta.get("eos_id", "missing")
+    if eos is not None and not (isinstance(eos, int) and 0 <= eos < meta["vocab_size"]):
+        raise ConfigError(f"{meta_path}: eos_id is {eos!r}, not a token id below its vocab_size "
+                          f"{meta['vocab_size']}")
+    return meta
