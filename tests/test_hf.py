@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from helpers import REPO, launch, run_script, spawn
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from trainer import build_model, load_weights
+from trainer.checkpoint import safetensors_io
 from trainer.checkpoint.hf import config_from_hf
 from trainer.checkpoint.state import saved_config
 from trainer.errors import ConfigError
@@ -142,10 +143,6 @@ def test_export_defaults_to_bfloat16_in_one_file(tmp_path):
 
 
 def test_safetensors_blocks_read_without_a_memory_map(tmp_path, monkeypatch):
-    from safetensors.torch import save_file
-
-    from trainer.checkpoint import safetensors_io
-
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(7, 5, 3, generator=g),
                "b": torch.randn(9, generator=g).to(torch.bfloat16)}
@@ -281,3 +278,33 @@ def test_four_fsdp_ranks_read_only_their_slices_of_a_300m_model(tmp_path):
     torch.save(expected, tmp_path / "expected.pt")
     del hf
     spawn(_load_by_slices, 4, tmp_path / "hf", tmp_path / "expected.pt", timeout=300)
+
+
+def _rewrite_header(path, edit) -> None:
+    """The safetensors file at `path` with its header's entries passed through `edit`."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
+
+
+@pytest.mark.parametrize("edit, message", [
+    # b's range moved onto a's: two entries share bytes
+    (lambda h: h["b"].update(data_offsets=[h["a"]["data_offsets"][0],
+                                           h["a"]["data_offsets"][0] + 18]),
+     "overlapping entries"),
+    # a's shape no longer what its bytes hold
+    (lambda h: h["a"].update(shape=[3, 2]), r"hold 420 bytes, not the 24 of its dtype F32"),
+    (lambda h: h["a"].update(data_offsets=[0, "x"]), "shape or data_offsets are not counts"),
+])
+def test_a_safetensors_entry_whose_bytes_do_not_match_its_header_is_refused(tmp_path, edit,
+                                                                              message):
+    """As the safetensors library refuses it (the header reader here is the project's own)."""
+    save_file({"a": torch.zeros(7, 5, 3), "b": torch.zeros(9, dtype=torch.bfloat16)},
+              tmp_path / "x.safetensors")
+    _rewrite_header(tmp_path / "x.safetensors", edit)
+    with pytest.raises(ConfigError, match=message):
+        safetensors_io.SafetensorsFile(tmp_path / "x.safetensors")

@@ -38,6 +38,41 @@ def encode_header(tensors: list[tuple[str, torch.dtype, list[int]]]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def _check_layout(path: Path, header: dict, start: int, size: int) -> None:
+    """As the safetensors library holds a file to: each entry a supported dtype and a shape, its
+    byte range exactly its dtype x shape, the ranges back to back from the first byte of the data
+    to its last, so no two overlap and none runs past the end."""
+    ranges = []
+    for name, entry in header.items():
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if dtype not in DTYPES:
+            raise ConfigError(f"{path}: {name} has dtype {dtype}, which is not supported")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+                and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(n, int) for n in offsets)):
+            raise ConfigError(f"{path}: {name}'s shape or data_offsets are not counts")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
+            raise ConfigError(f"{path}: {name}'s data_offsets {offsets} hold {end - begin} bytes, "
+                              f"not the {math.prod(shape) * DTYPES[dtype].itemsize} of its dtype "
+                              f"{dtype} and shape {shape}")
+        ranges.append((begin, end, name))
+    at, name = 0, None
+    for begin, end, name in sorted(ranges):
+        if begin != at:
+            raise ConfigError(f"{path}: {name} starts at data byte {begin}, where "
+                              f"{'the data starts' if at == 0 else 'the entry before ends'} "
+                              f"({at}): {'overlapping' if begin < at else 'gapped'} entries")
+        at = end
+    if start + at > size:
+        raise ConfigError(f"{path} is truncated: {name} ends at byte {start + at}, the file has "
+                          f"{size}")
+    if start + at < size:
+        raise ConfigError(f"{path} holds {size - start - at} bytes after its last entry, which its "
+                          "header does not describe")
+
+
 class SafetensorsFile:
     """The header of a safetensors file, checked against the file's size, and reads of its
     tensors."""
@@ -55,16 +90,11 @@ class SafetensorsFile:
                 header = json.loads(f.read(length))
             except ValueError as e:
                 raise ConfigError(f"{path}: the safetensors header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ConfigError(f"{path}: the safetensors header is not a JSON object")
         header.pop("__metadata__", None)
         self.start, self.tensors = 8 + length, header
-        for name, entry in header.items():
-            end = self.start + entry["data_offsets"][1]
-            if entry["dtype"] not in DTYPES:
-                raise ConfigError(f"{path}: {name} has dtype {entry['dtype']}, which is not "
-                                  "supported")
-            if end > size:
-                raise ConfigError(f"{path} is truncated: {name} ends at byte {end}, the file has "
-                                  f"{size}")
+        _check_layout(path, header, self.start, size)
 
     def shape(self, name: str) -> list[int]:
         return list(self.tensors[name]["shape"])
