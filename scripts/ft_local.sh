@@ -16,7 +16,8 @@ groups=$1 nproc=$2
 shift 2
 port=${LIGHTHOUSE_PORT:-29510}
 mkdir -p ft-logs
-torchft_lighthouse --min_replicas 1 --bind "[::]:$port" --heartbeat_timeout_ms "${HEARTBEAT_TIMEOUT_MS:-5000}" \
+# The lighthouse, and each group's transfer of its state to a recovering peer, listen on loopback only.
+torchft_lighthouse --min_replicas 1 --bind "127.0.0.1:$port" --heartbeat_timeout_ms "${HEARTBEAT_TIMEOUT_MS:-5000}" \
     --join_timeout_ms "${JOIN_TIMEOUT_MS:-10000}" > ft-logs/lighthouse.log 2>&1 &
 pids=($!)
 trap 'kill "${pids[@]}" 2>/dev/null; wait; exit 130' INT TERM
@@ -26,7 +27,7 @@ run_group() {  # a group's torchrun, started again after a failure (up to MAX_GR
     shift
     until OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} torchrun --standalone --nproc_per_node="$nproc" train.py "$@" \
         parallel.dp_replicate="$groups" fault_tolerance.enabled=true fault_tolerance.replica_group="$group" \
-        fault_tolerance.lighthouse="http://localhost:$port" >> "ft-logs/group$group.log" 2>&1; do
+        fault_tolerance.lighthouse="http://127.0.0.1:$port" >> "ft-logs/group$group.log" 2>&1; do
         status=$?
         tries=$((tries + 1))
         [ "$status" = 2 ] && { echo "group $group: config error (ft-logs/group$group.log)"; return 2; }

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import REPO, launch, run_script
+from helpers import NEEDS_TORCHFT, REPO, launch, run_script
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -158,4 +158,57 @@ def test_train_and_the_converter_refuse_a_crafted_checkpoint_with_one_line(tmp_p
         assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
         errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
         assert len(errors) == 1 and str(crafted) in errors[0], result.stderr[-2000:]
+    assert not marker.exists()
+
+
+@NEEDS_TORCHFT
+def test_a_recovering_replica_group_loads_a_peers_state_as_data_only(tmp_path):
+    """Fault tolerance's transfer: served on the address towards the lighthouse (loopback here)
+    under a token, and a reply that pickles an object is refused, its code never run."""
+    from datetime import timedelta
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from threading import Thread
+
+    from trainer.faults.ft_transport import _stream_save, listen_address, safe_transport
+
+    assert listen_address("http://localhost:29510") in ("127.0.0.1", "::1")
+    timeout = timedelta(seconds=10)
+    sender, receiver = safe_transport("http://127.0.0.1:29510", timeout), None
+    try:
+        state = {"params": [torch.arange(6.0)], "trainer": {"step": 3, "data_offset": 12}}
+        sender.send_checkpoint([1], 3, state, timeout)
+        assert sender.metadata().startswith("http://127.0.0.1:")
+        receiver = safe_transport("http://127.0.0.1:29510", timeout)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 3, timeout)
+        assert torch.equal(got["params"][0], state["params"][0]) and got["trainer"]["step"] == 3
+        guessed = sender.metadata().rsplit("/", 2)[0] + "/not-the-token/"
+        with pytest.raises(OSError, match="404"):
+            receiver.recv_checkpoint(0, guessed, 3, timedelta(seconds=2))
+        sender.disallow_checkpoint()
+    finally:
+        for transport in (sender, receiver):
+            if transport is not None:
+                transport.shutdown()
+
+    marker = tmp_path / "ran"
+
+    class Hostile(BaseHTTPRequestHandler):  # a "peer" whose state is a pickled payload
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            _stream_save({"params": [Payload(marker)]}, self.wfile)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Hostile)
+    Thread(target=server.serve_forever, daemon=True).start()
+    receiver = safe_transport("http://127.0.0.1:29510", timeout)
+    try:
+        with pytest.raises(pickle.UnpicklingError, match="unsupported GLOBAL posix.system"):
+            receiver.recv_checkpoint(0, f"http://127.0.0.1:{server.server_address[1]}/t/", 3,
+                                     timeout)
+    finally:
+        receiver.shutdown()
+        server.shutdown()
     assert not marker.exists()

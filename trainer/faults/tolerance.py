@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config.schema import FaultToleranceConfig, JobConfig
 from trainer.errors import ConfigError
+from trainer.faults.ft_transport import safe_transport
 from trainer.float8 import plain
 from trainer.tensors import local_tensor
 
@@ -176,6 +177,7 @@ class ReplicaGroups(OneGroup):
             # the seed, or resumes the same checkpoint.
             init_sync=False,
             replica_id=f"replica_group_{self.group}", lighthouse_addr=lighthouse_address(ft),
+            checkpoint_transport=safe_transport(lighthouse_address(ft), timeout),
             timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=job.distributed.timeout_s))
         self.recovered = False  # whether the last quorum brought a peer group's state
