@@ -48,6 +48,7 @@ from trainer.checkpoint.peft_io import (  # noqa: E402
     export_peft,
     import_peft,
 )
+from trainer.checkpoint.rerun import trained_with  # noqa: E402
 from trainer.checkpoint.state import check_same_shape, save_weights, saved_config  # noqa: E402
 from trainer.checkpoint.tokenizer_files import (  # noqa: E402
     export_tokenizer,
@@ -151,14 +152,11 @@ def write_model_config(cfg, hf_dir: Path) -> Path:
 
 
 def run_tokenizer(checkpoint: Path) -> str | None:
-    """data.tokenizer of the run a training checkpoint (OUTPUT_DIR/checkpoints/step_N) belongs to,
-    where that run's config.yaml says it and it is still there."""
-    config = checkpoint.resolve().parent.parent / "config.yaml"
-    if checkpoint.resolve().parent.name != "checkpoints" or not config.is_file():
+    """data.tokenizer of the run that saved a training checkpoint, where the config it records (or,
+    saved by an earlier version, its run's config.yaml) says it and it is still there."""
+    saved = trained_with(checkpoint.resolve())
+    if saved is None:
         return None
-    from omegaconf import OmegaConf
-
-    saved = OmegaConf.load(config)
     spec = resolve_tokenizer(saved.get("data", {}).get("tokenizer", "bytes"),
                              saved.get("data", {}).get("source", ""),
                              saved.get("checkpoint", {}).get("initial"))

@@ -32,13 +32,21 @@ def check_rerun(config: dict, checkpoint: CheckpointConfig, output_dir: str) -> 
         return None
     published = [path for _, path in checkpoint_steps(Path(output_dir) / "checkpoints")
                  if (path / MANIFEST).is_file()]
-    return check_settings(config, checkpoint, published[-1]) if published else None
+    if not published:
+        return None
+    try:
+        trained_with(published[-1])
+    except ConfigError:  # damaged: resume=auto skips it, and the ranks check the one they resume
+        return None
+    return check_settings(config, checkpoint, published[-1])
 
 
 def trained_with(path: Path) -> dict | None:
     """The config checkpoint `path` was trained with: its own, or (saved by a version of this
-    trainer that kept none in it) its run's config.yaml; None if neither is there."""
-    for file in (path / TRAINED_CONFIG, path.parent.parent / "config.yaml"):
+    trainer that kept none in it) its run's config.yaml (OUTPUT_DIR's, for
+    OUTPUT_DIR/checkpoints/step_N); None if neither is there."""
+    run_config = path.parent.parent / "config.yaml" if path.parent.name == "checkpoints" else None
+    for file in filter(None, (path / TRAINED_CONFIG, run_config)):
         if file.is_file():
             try:
                 return OmegaConf.to_container(OmegaConf.load(file))
