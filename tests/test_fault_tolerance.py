@@ -34,7 +34,7 @@ def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -72,9 +72,9 @@ def lighthouse(tmp_path):
     port = _free_port()
     process = _start([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas",
                       "1", "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "3000", "--bind",
-                      f"[::]:{port}"],
+                      f"127.0.0.1:{port}"],  # loopback only, as scripts/ft_local.sh starts it
                      tmp_path / "lighthouse.log")
-    yield f"http://localhost:{port}"
+    yield f"http://127.0.0.1:{port}"
     _kill(process)
 
 

@@ -110,7 +110,7 @@ def build_part(options: BuildOptions, dims: ParallelDims, modules: list[str],
         attend_within_documents(part)
     keep_modules(part, spec.pipeline_units(options.model.n_layers), modules)
     if options.float8 is not None:
-        convert_float8(part, options.float8)
+        convert_float8(part, options.float8, torch.device(device), options.parallel.param_dtype)
     if options.lora is not None:
         add_adapters(part, options.lora, spec.blocks)
         if options.lora.base_dtype == "nf4":
