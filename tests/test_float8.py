@@ -76,7 +76,13 @@ FLOAT8_MOE_LAYOUTS = {
     "deepseek_v3_ep2": (2, ["+recipe=mixtral_ep"], ACCUM2),
     "deepseek_v3_tp2": (2, ["+recipe=llama_tp2"], ()),  # the latents replicated, the heads split
 }
-STEPS_BEFORE_THE_SPIKE = 3
+# The spike can come a step early: in one CI sitting the one-process kernel run (cp2's reference)
+# spiked at step 3 (gradient norm 8.77 against 4.09 run alone), its step-1 norm already 17.8885
+# against 17.9015, from the same weights and batch. In a long suite the allocations its matmuls get
+# fall otherwise, and MKL's float32 kernels round by their alignment; float8's scales grow that
+# ulp. So each row holds steps 1 and 2 (a float8 step in every layer, then one from its update),
+# where the one-process runs seen land within 2.6% in gradient norm and 1e-3 in loss.
+STEPS_BEFORE_THE_SPIKE = 2
 # The one-process run on one thread, as each rank runs: on two its gradient norms land apart from
 # one run to the next (a Xeon with AMX: step 3 3.29204 against 3.29208; under CI's load step 1
 # 3.5449 against 3.5452, which put tp2 3.5e-3 off at step 2); on one, the same bits every run.
