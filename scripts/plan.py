@@ -75,15 +75,20 @@ def main(argv: list[str]) -> int:
         return 2
 
 
+def given_world(args) -> int | None:
+    """--world as given (None where it is not); below 1 a config error."""
+    if args.world is not None and args.world < 1:
+        raise ConfigError(f"--world={args.world} must be at least 1")
+    return args.world
+
+
 def plan_command(job, args) -> int:
     from trainer.checks.job import check_job
     from trainer.plan import make_plan
     from trainer.plan.profiles import get_device
     from trainer.plan.search import fitting_option
 
-    world = args.world or job.plan.world_size or 1
-    if world < 1:
-        raise ConfigError(f"--world={world} must be >= 1")
+    world = given_world(args) or job.plan.world_size or 1
     device = get_device(args.device or job.plan.device or "h100", args.device_memory_gib, world)
     dims = check_job(job, world)
     plan = make_plan(job, dims, device)
@@ -91,9 +96,8 @@ def plan_command(job, args) -> int:
         print(json.dumps(plan.to_json(), indent=1))
         return 0 if plan.fits else 1
     print(format_plan(plan, job))
-    option = None if plan.fits else fitting_option(job, dims, device)
-    if option:
-        print(option[0].upper() + option[1:])
+    if not plan.fits:  # what train.py's check would say: the largest term, and what fits
+        print(f"Does not fit: {plan.misfit(fitting_option(job, dims, device))}")
     return 0 if plan.fits else 1
 
 
@@ -131,7 +135,7 @@ def calibrate_command(job, args, overrides: list[str]) -> int:
     if not args.name:
         raise ConfigError("--calibrate needs --name NAME: the profile it writes "
                           "(devices/NAME.json)")
-    world = args.world or torch.cuda.device_count() or 2
+    world = given_world(args) or torch.cuda.device_count() or 2
     # a timed matmul and NCCL all-reduce; its memory as CUDA reports it
     if torch.cuda.is_available():
         base = measure_cuda(world)
@@ -170,7 +174,7 @@ def rank_command(job, args, overrides: list[str]) -> int:
     from trainer.plan.auto import auto_device, for_search
     from trainer.plan.calibrate import ranking, torchrun_measure
 
-    world = args.world or torch.cuda.device_count() or 2
+    world = given_world(args) or torch.cuda.device_count() or 2
     kind = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = auto_device(kind, world, args.device or job.plan.device)
     job, cleared = for_search(job)

@@ -185,10 +185,20 @@ def test_search_answers_for_qwen3_moe(capsys):
     (["--search", "--gpus", "2", "--device", "a100", "model=llama3_70b",
       "plan.host_memory_gib=256"],
      "config error: --search: no layout of"),
+    (["+recipe=llama_fsdp", "--world", "0"], "config error: --world=0 must be at least 1"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     code, out, err = run_plan(capsys, *args)
     assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_a_job_that_does_not_fit_is_told_what_would(capsys):
+    """The plan of a job that fits no memory option says what train.py's check says: its largest
+    term and the advice for it."""
+    code, out, _ = run_plan(capsys, "model=llama3_8b", "--world", "1", "--device", "h100")
+    assert code == 1 and re.search(r"\nDoes not fit: the job needs [\d.]+ GiB per rank, more "
+                                   r"than the [\d.]+ GiB usable .*\(largest term: activations "
+                                   r"[\d.]+ GiB\); set training.activation_checkpoint=", out), out
 
 
 @pytest.mark.multiprocess
@@ -422,7 +432,7 @@ def test_a_job_that_does_not_fit_is_told_the_option_that_would(capsys):
     # activations' under full checkpointing)
     assert [option for option, _ in _options(muon)] == [{"optim.state_dtype": "bfloat16"}]
     code, out, _ = run_plan(capsys, *overrides, "--world", "16", "--device", "h100")
-    assert code == 1 and "It fits with optim.state_dtype=bfloat16 (peak 58.1 GiB)" in out
+    assert code == 1 and "it fits with optim.state_dtype=bfloat16 (peak 58.1 GiB), or" in out
     # The search tries it after the layouts: Mixtral 8x7B fits 8 H100s only so.
     code, out, _ = run_plan(capsys, "+recipe=mixtral_ep", "--search", "--gpus", "8", "--device",
                             "h100", "--top", "1")

@@ -103,27 +103,28 @@ class Plan:
     def check_fits(self, option: str | None = None) -> None:
         """A `config error:` naming the largest term when the peak exceeds the device's memory, and
         `option` (search.fitting_option's advice) first where one fits."""
-        if self.fits:
-            return
+        if not self.fits:
+            suffix = "" if not self.host_fits else " (or plan.check=false to run anyway)"
+            raise ConfigError(f"plan: {self.misfit(option)}{suffix}")
+
+    def misfit(self, option: str | None = None) -> str:
+        """Why the job does not fit, and what would make it fit (`option` first, where given)."""
         if not self.host_fits:
-            raise ConfigError(
-                f"plan: training.offload={self.ranks[0].offload} puts "
-                f"{self.host_per_node / GIB:.1f} GiB in "
-                f"each node's host memory, more than {self.host_memory_gib * (1 - MARGIN):.1f} "
-                f"usable of plan.host_memory_gib={self.host_memory_gib:g}; shard over more nodes "
-                "(parallel.dp_shard), set training.offload=none, or raise plan.host_memory_gib "
-                "where the host has more")
+            return (f"training.offload={self.ranks[0].offload} puts "
+                    f"{self.host_per_node / GIB:.1f} GiB in "
+                    f"each node's host memory, more than "
+                    f"{self.host_memory_gib * (1 - MARGIN):.1f} usable of "
+                    f"plan.host_memory_gib={self.host_memory_gib:g}; shard over more nodes "
+                    "(parallel.dp_shard), set training.offload=none, or raise "
+                    "plan.host_memory_gib where the host has more")
         rank = max(self.ranks, key=lambda r: r.peak)
         name, value = rank.largest()
         usable = self.device.memory_gib * (1 - MARGIN)
         where = f" on pipeline rank {rank.pp_rank}" if self.dims.pp_enabled else ""
-        raise ConfigError(
-            f"plan: the job needs {rank.peak / GIB:.1f} GiB per rank{where}, more than the "
-            f"{usable:.1f} GiB usable of {self.device.memory_gib:.1f} on {self.device.name} "
-            f"(largest term: {name} {value / GIB:.1f} GiB); "
-            f"{option + ', or ' if option else ''}{_advice(name)} (or plan.check=false to run "
-            "anyway)"
-        )
+        return (f"the job needs {rank.peak / GIB:.1f} GiB per rank{where}, more than the "
+                f"{usable:.1f} GiB usable of {self.device.memory_gib:.1f} on {self.device.name} "
+                f"(largest term: {name} {value / GIB:.1f} GiB); "
+                f"{option + ', or ' if option else ''}{_advice(name)}")
 
 
 def _advice(term: str) -> str:
