@@ -207,6 +207,11 @@ MISTAKES = {
                        r"recipe=llama_nope is not a known recipe; choose one of"),
     "unknown model": (lambda p: ["model=llama_nope"],
                       r"model=llama_nope is not a known model; choose one of"),
+    "misspelt recipe": (lambda p: ["+recipe=llama_fsd"],
+                        r"recipe=llama_fsd is not a known recipe; did you mean "
+                        r"\+recipe=llama_fsdp\?$"),
+    "misspelt model": (lambda p: ["model=llama3_8"],
+                       r"model=llama3_8 is not a known model; did you mean model=llama3_8b\?$"),
     "unknown schedule": (lambda p: ["parallel.pp_schedule=nope"],
                          r"parallel.pp_schedule=nope is unknown; choose one of"),
     "tp not dividing heads": (lambda p: ["parallel.tp=3"],

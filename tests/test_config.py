@@ -67,6 +67,10 @@ def test_unknown_group_choice_is_a_config_error():
         check_overrides(["model=llama_huge"])
     with pytest.raises(ConfigError, match=r"recipe=nope is not a known recipe"):
         check_overrides(["+recipe=nope"])
+    # a misspelling is told the name it is close to, and only that
+    with pytest.raises(ConfigError, match=r"model=qwen3_8 is not a known model; did you mean "
+                                          r"model=qwen3_8b\?$"):
+        check_overrides(["model=qwen3_8"])
     check_overrides(["+recipe=llama_fsdp", "model=llama_debug", "training.steps=3"])
 
 

@@ -22,7 +22,7 @@ from trainer.config.files import (
 )
 from trainer.config.keys import group_keys, nearest_key, schema_keys, wanted
 from trainer.config.schema import JobConfig, ModelConfig, OptimConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, unknown_choice
 
 GROUPS = ("recipe", "model", "parallel", "data", "optim", "smoke")
 # Keys renamed, old spelling -> new: the old one still works for one release, with a notice.
@@ -129,7 +129,7 @@ def _check_choice(group: str, name: str) -> None:
     folder = RECIPE_DIR if group == "recipe" else CONFIG_DIR / group
     known = sorted(p.stem for p in folder.glob("*.yaml"))
     if name not in known:
-        raise ConfigError(f"{group}={name} is not a known {group}; choose one of {known}")
+        raise unknown_choice(group, name, known)
 
 
 def _check_key(key: str, keys: set[str]) -> None:

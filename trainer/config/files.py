@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.schema import JobConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, unknown_choice
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -72,7 +72,7 @@ def load_model_file(name: str) -> DictConfig:
     path = CONFIG_DIR / "model" / f"{name}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ConfigError(f"model={name} is not a known model; choose one of {known}")
+        raise unknown_choice("model", name, known)
     node = OmegaConf.load(path)
     node.pop("defaults", None)
     return node
