@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -224,11 +225,13 @@ LLAMA = ("model=llama_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_la
 MIXTRAL = ("model=mixtral_debug", "model.dim=512", "model.ffn_dim=1024")
 # Qwen3's heads twice as wide as dim / n_heads, and q/k norms. DeepSeek-V3's latent attention (a
 # 256-rank query latent, a 128-rank key/value latent, values narrower than the keys), 2 dense blocks
-# and 6 MoE blocks with its routing (sigmoid scores, groups, a shared expert, the moving bias).
+# and 6 MoE blocks with its routing (sigmoid scores, groups, a shared expert, the moving bias), its
+# experts as wide as the matmul the CPU's rate is timed on (512): at 256 the plan was 23% over the
+# run on an AVX2 box (two sittings) and 43% on an AMX one (a CI sitting); at 512 12% and 20% (AVX2).
 QWEN3 = ("model=qwen3_debug", "model.dim=512", "model.ffn_dim=1536", "model.n_layers=4",
          "model.head_dim=128")
 DEEPSEEK_V3 = ("model=deepseek_v3_debug", "model.dim=512", "model.dense_ffn_dim=1024",
-               "model.ffn_dim=256", "model.q_lora_rank=256", "model.kv_lora_rank=128",
+               "model.ffn_dim=512", "model.q_lora_rank=256", "model.kv_lora_rank=128",
                "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64")
 SIZE = ("+smoke=cpu", "training.seq_len=512", "training.global_batch_size=4")
 MEASURED = {
@@ -297,6 +300,16 @@ def sustained_cpu(ranks: int) -> Device:
     return measure_cpu(ranks, threads=1, seconds=1.0, repeats=1)
 
 
+def mean_cpu(timings: list[Device]) -> Device:
+    """The CPU as the timed steps between these timings found it, on average: the neighbours of a
+    shared machine slow some timings and some steps (the faster of two timings put the plan above
+    runs of the same sitting: tp2 +36%, deepseek_v3_ep2 +43%)."""
+    def mean(field: str) -> float:
+        return statistics.fmean(getattr(d, field) for d in timings)
+    return replace(timings[0], **{field: mean(field) for field in
+                                  ("bf16_tflops", "fp32_tflops", "intra_gbps", "inter_gbps")})
+
+
 def train_case(layout: str, ac: str, tmp_path) -> list[dict]:
     ranks, _, overrides = case(layout, ac)
     # One thread a rank, as the plan's matmul rate is
@@ -317,9 +330,9 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
     before = sustained_cpu(ranks) if timed else None
     records = train_case(layout, ac, tmp_path)
     job = job_of(*overrides)
-    # the faster of two timings: a neighbour's burst on this shared machine only ever slows one
     if timed:
-        device = max(before, sustained_cpu(ranks), key=lambda d: d.fp32_tflops)
+        timings = [before, sustained_cpu(ranks)]
+        device = mean_cpu(timings)
     else:
         device = local_device(torch.device("cpu"), ranks)
     # Rank 0's experts take the share of the slots the router gives them: the plan, which assumes an
@@ -339,7 +352,7 @@ def test_prediction_matches_measurement(layout, ac, tmp_path):
             rerun = train_metrics(ranks, *overrides, output_dir=tmp_path / "again", timeout=300,
                                   env=ONE_THREAD)
             speed = max(speed, statistics.median(r["tokens_per_s"] for r in rerun[COUNTED:]))
-            device = max(device, sustained_cpu(ranks), key=lambda d: d.fp32_tflops)
+            device = mean_cpu([*timings, sustained_cpu(ranks)])
             plan = make_plan(job, check_job(job, ranks), device, expert_load=load)
         print(f"{layout}: measured {speed:.0f} tokens/s, plan {plan.tokens_per_s:.0f} "
               f"({plan.tokens_per_s / speed - 1:+.1%})")
