@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from trainer.checks.overrides import check_overrides, compose_job, renamed
 from trainer.config.files import CONFIG_DIR, register_configs
 from trainer.errors import ConfigError
-from trainer.run.stop import default_signals
+from trainer.run.stop import default_signals, die_with_launcher
 
 register_configs()
 
@@ -85,6 +85,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     default_signals()
+    die_with_launcher()
     sys.argv[1:], notices = renamed(sys.argv[1:])
     if notices and os.environ.get("LOCAL_RANK", "0") == "0":
         print("\n".join(notices), flush=True)

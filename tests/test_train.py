@@ -1,11 +1,16 @@
 """train.py end to end: launched as a user launches it, read back from its outputs."""
 
+import fcntl
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-from helpers import ENV, REPO, read_metrics, torchrun
+from helpers import ENV, REPO, descendants, logged_steps, read_metrics, start, torchrun, wait_for
 from omegaconf import OmegaConf
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gib", "mem_tensor_gib",
@@ -210,3 +215,39 @@ def test_markers_of_launches_long_over_are_forgotten(tmp_path):
     os.utime(other, (time.time() - 3600, time.time() - 3600))
     forget_old_markers(tmp_path)
     assert not old.exists() and new.exists() and other.exists()
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.multiprocess
+def test_no_rank_outlives_its_killed_launcher(tmp_path):
+    """torchrun's process group killed (SIGKILL, as `kill -9 -- -PID` does) mid-run: torchrun
+    starts each rank in a session of its own, yet no rank is left 10 s later, and the output
+    folder is free for the next job."""
+    out = tmp_path / "run"
+    # train.py itself, not the suite's warm ranks (forked from its launcher, not from torchrun)
+    process = start(2, "model=llama_debug", "+smoke=cpu", "training.steps=100000",
+                    "training.seq_len=32", output_dir=out,
+                    env={"PYTHONUNBUFFERED": "1"})
+    ranks = []
+    try:
+        wait_for(lambda: logged_steps(out) >= 1, process, timeout=120)
+        ranks = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while any(map(running, ranks)) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        left = [pid for pid in ranks if running(pid)]
+        assert len(ranks) == 2 and not left, (ranks, left)
+        with open(out / ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        for pid in ranks:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from trainer.errors import ConfigError
+from trainer.run.stop import on_parent_death
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # (trainer.run.stop's)
 
@@ -99,10 +100,7 @@ def _agent_signals() -> None:
     rather than outliving its launcher."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
+    on_parent_death(signal.SIGHUP)
 
 
 def _signal(pid: int, signum: int) -> None:

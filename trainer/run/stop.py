@@ -71,3 +71,27 @@ def default_signals() -> None:
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig,
                           signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def on_parent_death(signum: int) -> None:
+    """`signum` to this process the moment its parent dies, however it dies (Linux's prctl;
+    elsewhere nothing)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+def die_with_launcher() -> None:
+    """Under torchrun, this rank is killed when its agent dies: torchrun starts each rank in a
+    session of its own, so a SIGKILL of the launcher's process group (or an out-of-memory kill of
+    torchrun) would leave the ranks training with nobody watching, holding the output folder. The
+    kernel drops the folder's lock (flock) with the process, and a save it cut short is a .tmp
+    folder the next run of the job clears; what the ranks trained since the last save is lost, as
+    when torchrun itself stops them."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+    on_parent_death(signal.SIGKILL)
+    if parent == 1 or not os.path.exists(f"/proc/{parent}"):  # gone before the line above
+        os._exit(1)
