@@ -218,7 +218,8 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig, 
     """SIGTERM to torchrun (forwarded to the ranks, as on a Slurm preemption), or SIGINT to every
     process of the job at once (`pkill -INT -f train.py`, a scheduler signalling every task: each
     rank gets it directly and again from its launcher) under trainer-run and under torchrun: every
-    rank ends the step, a checkpoint is saved, the ranks exit (trainer-run with 0 and no traceback);
+    rank ends the step, a checkpoint is saved, the ranks exit (trainer-run with 0 and no traceback,
+    also when a second Ctrl-C comes 0.1 s after the first);
     resume=auto then finishes the SIGTERM run on the uninterrupted curve."""
     out = tmp_path / "run"
     process = start(2, "+recipe=llama_fsdp", *LLAMA, "checkpoint.interval=100", output_dir=out,
@@ -229,6 +230,9 @@ def test_signal_saves_and_stops_then_resume_continues(reference, tmp_path, sig, 
     else:
         for pid in [process.pid, *descendants(process.pid)]:
             os.kill(pid, signal.SIGINT)
+        if launcher == "trainer.run.launcher":  # and a second Ctrl-C at once: the first again
+            time.sleep(0.1)
+            process.send_signal(signal.SIGINT)
     code = finish(process)
     log = (tmp_path / "run.log").read_text()
     stopped = logged_steps(out)

@@ -13,6 +13,7 @@ from helpers import REPO, run_script
 
 from trainer.config.schema import DataConfig
 from trainer.data import STREAM_VAL_WINDOWS, BatchLoader, ByteTokenizer, build_dataset, sentence
+from trainer.data.readers import SAID
 from trainer.data.tokenizer import CHUNK_CHARS, build_tokenizer
 from trainer.errors import ConfigError
 
@@ -97,6 +98,13 @@ def test_json_jsonl_and_parquet_rows_are_documents(tmp_path):
     wanted = r"data.text_field=text is not a column of .*; its columns are \['body', 'id'\]"
     with pytest.raises(ConfigError, match=wanted):
         build_dataset(DataConfig(source="json", path=str(tmp_path / "a.jsonl")), seq_len=16, seed=0)
+    # the column is there, but not text
+    (tmp_path / "numbers.jsonl").write_text("".join(json.dumps({"text": i}) + "\n"
+                                                    for i in range(3)) + '{"text": null}\n')
+    with pytest.raises(ConfigError, match=r"data.text_field=text of .*numbers.jsonl holds no text: "
+                                          r"its values are null, numbers, not strings"):
+        build_dataset(DataConfig(source="json", path=str(tmp_path / "numbers.jsonl")), seq_len=16,
+                      seed=0)
 
 
 def test_unreadable_parts_of_files_are_counted_and_passed_over(tmp_path, capsys):
@@ -113,12 +121,15 @@ def test_unreadable_parts_of_files_are_counted_and_passed_over(tmp_path, capsys)
                                                       for x in lines))
     (tmp_path / "j" / "b.jsonl").write_text("\n\n")
     t, j = tmp_path / "t", tmp_path / "j"
-    for _ in range(2):  # tokenized, then read from the cache
+    for _ in range(2):  # tokenized, then read from the cache by another job (a process of its own)
+        SAID.clear()
         texts = build_dataset(DataConfig(source="text", path=str(t / "*.txt")), seq_len=16, seed=0,
                               split="all")
-        rows = build_dataset(DataConfig(source="json", path=str(j / "*.jsonl")), seq_len=16, seed=0,
-                             split="all")
+        # the training windows and the validation ones: each problem said once
+        rows, _ = (build_dataset(DataConfig(source="json", path=str(j / "*.jsonl")), seq_len=16,
+                                 seed=0, split=split) for split in ("all", "val"))
         said = capsys.readouterr().out
+        assert said.count("data: passed over 2 lines that are not a JSON object") == 1, said
         assert (f"data: passed over 20 bytes that are not UTF-8 (read as U+FFFD): {t}/b.txt: 20 "
                 f"(the first at byte 3) (of data.path={t}/*.txt; data.strict=true refuses "
                 "them)") in said, said
@@ -185,8 +196,11 @@ def test_a_hub_stream_says_what_it_passes_over_on_rank_0_only(tmp_path, capsys, 
     (tmp_path / "hub").mkdir()
     (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     monkeypatch.setenv("RANK", rank)
-    build_dataset(DataConfig(source="hub", path=str(tmp_path / "hub")), seq_len=8, seed=0,
-                  split="val")
+    SAID.clear()
+    # the validation windows, and the training stream, which reads them again to leave them out
+    for split in ("val", "train"):
+        build_dataset(DataConfig(source="hub", path=str(tmp_path / "hub")), seq_len=8, seed=0,
+                      split=split)
     said = capsys.readouterr().out
     assert said.count("data: passed over 1 rows without a text in "
                       "data.text_field") == (rank == "0"), said

@@ -61,6 +61,15 @@ def test_a_rerun_over_another_models_checkpoints_offers_no_flag(tmp_path):
                              r"cannot be resumed with this one; choose another output_dir") as e:
         check_rerun({**config, "model": {"dim": 512, "name": "llama_debug"}}, resume, str(tmp_path))
     assert "allow_config_change" not in str(e.value)
+    # LoRA's adapters at another rank are another shape too; their alpha only another setting
+    lora = {**config, "peft": {"method": "lora", "rank": 16, "alpha": 16.0}}
+    OmegaConf.save(OmegaConf.create(lora), tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match=r"another model \(peft.rank=16 -> 8\), which cannot"):
+        check_rerun({**lora, "peft": {"method": "lora", "rank": 8, "alpha": 16.0}}, resume,
+                    str(tmp_path))
+    with pytest.raises(ConfigError, match=r"other settings \(peft.alpha=16.0 -> 32.0\)"):
+        check_rerun({**lora, "peft": {"method": "lora", "rank": 16, "alpha": 32.0}}, resume,
+                    str(tmp_path))
 
 
 def test_more_steps_on_a_resumed_run_says_how_the_schedule_changes(tmp_path):

@@ -1,6 +1,7 @@
 """A rerun resumes only a checkpoint trained with its settings: the keys that shape the training
-(the model, the data, the optimizer, the batch, lr, seed, precision) are held against the config
-saved inside the checkpoint itself (what the output_dir's config.yaml says now does not count).
+(the model and its adapters, the data, the optimizer, the batch, lr, seed, precision) are held
+against the config saved inside the checkpoint itself (what the output_dir's config.yaml says now
+does not count).
 Steps, layout, logging and checkpointing may change."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from trainer.optim.spec import optimizer_config, state_change
 
 TRAINING_KEYS = ("model.", "data.", "optim.", "training.seq_len", "training.global_batch_size",
                  "training.lr", "training.warmup_steps", "training.weight_decay",
-                 "training.max_norm", "training.seed", "training.mixed_precision.")
+                 "training.max_norm", "training.seed", "training.mixed_precision.", "peft.")
+# The adapters' shapes (or their presence): a checkpoint trained with others cannot be loaded.
+ADAPTER_SHAPE = ("peft.method=", "peft.rank=", "peft.target_modules=")
 # In each checkpoint: the composed config of the run that saved it.
 TRAINED_CONFIG = "config.yaml"
 
@@ -69,8 +72,8 @@ def check_settings(config: dict, checkpoint: CheckpointConfig, path: Path) -> st
                for key in sorted(saved.keys() | now.keys())
                if key.startswith(TRAINING_KEYS) and saved.get(key) != now.get(key)]
     # The model's shape: checkpoints of another cannot be loaded, whatever the flags say.
-    shape = tuple(f"model.{name}=" for cfg in (saved_model, model) if cfg is not None
-                  for name in shape_keys(cfg))
+    shape = (*(f"model.{name}=" for cfg in (saved_model, model) if cfg is not None
+               for name in shape_keys(cfg)), *ADAPTER_SHAPE)
     where = f"output_dir={path.parent.parent}"
     if any(key.startswith(shape) for key in changed):  # not resumable at all: no flag offered
         raise ConfigError(f"{where} holds checkpoints of another model "

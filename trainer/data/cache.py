@@ -16,7 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.readers import Problems, TokenFile, documents, read_token_file, text_paths
+from trainer.data.readers import (
+    Problems,
+    TokenFile,
+    documents,
+    read_token_file,
+    say_once,
+    text_paths,
+)
 from trainer.data.tokenizer import build_tokenizer, encode_documents, is_bytes
 from trainer.errors import ConfigError
 from trainer.safe_write import temporary_beside
@@ -94,7 +101,7 @@ def cached_tokens(source: str, path: str | None, text_field: str, tokenizer_spec
             pass
     if os.environ.get("RANK", "0") == "0":
         for line in meta.get("problems", []):
-            print(f"{line} (of data.path={path}; data.strict=true refuses them)", flush=True)
+            say_once(f"{line} (of data.path={path}; data.strict=true refuses them)")
     return tokens, meta
 
 

@@ -84,6 +84,17 @@ def _is_parquet(path: str, problems: Problems) -> bool:
     return True
 
 
+SAID: set[str] = set()  # the lines this process has said
+
+
+def say_once(line: str) -> None:
+    """Prints `line` unless this process has: a job reads its data for its training windows and
+    again for its validation ones, and meets the same problems."""
+    if line not in SAID:
+        SAID.add(line)
+        print(line, flush=True)
+
+
 class Problems:
     """What reading a user's data met: counted per kind and file, and passed over, or with
     data.strict=true refused at the first one. `live` (a stream read during training) says each
@@ -111,7 +122,7 @@ class Problems:
         before = total - count
         # reached 1, 10, 100, ...
         if self.live and (before == 0 or len(str(total)) > len(str(before))):
-            print(self._line(kind), flush=True)
+            say_once(self._line(kind))
 
     def _line(self, kind: str) -> str:
         files = sorted(self.found[kind].items(), key=lambda item: -item[1][0])
@@ -184,10 +195,14 @@ def json_rows(path: str, problems: Problems) -> Iterator[dict]:
 FIELD_CHECK_ROWS = 100
 
 
+JSON_NAMES = {type(None): "null", bool: "true/false", int: "numbers", float: "numbers",
+              list: "lists", dict: "objects"}
+
+
 def row_texts(rows: Iterable[dict], field: str, what: str, problems: Problems) -> Iterator[str]:
     """The texts in column `field` of the rows of `what` (a file, or a dataset); rows without one
     are counted in `problems`."""
-    texts, columns = 0, None
+    texts, columns, held = 0, None, set()
     for number, row in enumerate(rows, 1):
         text = row.get(field)
         if isinstance(text, str):
@@ -195,10 +210,15 @@ def row_texts(rows: Iterable[dict], field: str, what: str, problems: Problems) -
             yield text
             continue
         columns = columns or sorted(row)
+        if field in row:
+            held.add(JSON_NAMES.get(type(text), type(text).__name__))
         if texts == 0 and number == FIELD_CHECK_ROWS:
             break
         problems.add("no_text", what, f" at row {number}")
     if columns is not None and texts == 0:
+        if held:  # the column is there, holding numbers, lists, nulls...
+            raise ConfigError(f"data.text_field={field} of {what} holds no text: its values are "
+                              f"{', '.join(sorted(held))}, not strings")
         raise ConfigError(f"data.text_field={field} is not a column of {what}; its columns are "
                           f"{columns}")
 

@@ -18,6 +18,8 @@ shutdown timeout and exit 1 with a traceback, so it starts with those three sign
 handling only SIGHUP and SIGQUIT: its --signals-to-handle): a signal sent to every process of the
 job reaches the ranks directly and from here, and ends the job as one Ctrl-C does. A second Ctrl-C
 stops everything at once: torchrun first (so it restarts nothing), then the ranks; exit status 130.
+One within SAME_SIGNAL_S of the first is the first again, here as in the ranks, which finish their
+step and its save: the job exits as it would after one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 from trainer.errors import ConfigError
-from trainer.run.stop import on_parent_death
+from trainer.run.stop import SAME_SIGNAL_S, on_parent_death
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # (trainer.run.stop's)
 
@@ -61,11 +63,15 @@ def run_torchrun(argv: list[str]) -> int:
            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv],
                              start_new_session=True, preexec_fn=_agent_signals, env=env)
-    interrupts = 0
+    interrupts, first_interrupt = 0, None
 
     def forward(signum, frame) -> None:
-        nonlocal interrupts
-        interrupts += signum == signal.SIGINT
+        nonlocal interrupts, first_interrupt
+        if signum == signal.SIGINT:
+            if first_interrupt is not None and time.monotonic() - first_interrupt < SAME_SIGNAL_S:
+                return  # the first again, as the ranks take it: they finish the step and its save
+            first_interrupt = first_interrupt or time.monotonic()
+            interrupts += 1
         ranks = children(agent.pid)
         if interrupts >= 2 or not ranks:  # at once (or no rank yet): torchrun first, then its ranks
             _signal(agent.pid, signal.SIGKILL if ranks else signal.SIGHUP)
