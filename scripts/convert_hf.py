@@ -3,7 +3,7 @@
     # OUT: a checkpoint.initial
     python scripts/convert_hf.py from-hf HF_DIR OUT [--model NAME] [--write-config NAME]
     python scripts/convert_hf.py to-hf CKPT OUT [--model NAME] [--tokenizer PATH] \
-        [--dtype bfloat16] [--max-shard-size 5GB] [--merge] [--base PATH]
+        [--dtype bfloat16] [--max-shard-size 5GB] [--merge] [--base PATH [--force]]
 
 --write-config NAME also writes configs/model/NAME.yaml, the model HF_DIR holds, for `model=NAME`.
 CKPT is any checkpoint of ours (a training checkpoint in any layout, a seed or a converted one).
@@ -21,7 +21,9 @@ to-hf of a LoRA checkpoint (peft.method=lora: its adapters alone) writes peft's 
 model; --merge writes the base (--base, default the checkpoint.initial it trained from) with the
 adapters folded in, a whole model. from-hf of peft's adapter directory writes a LoRA checkpoint of
 ours on its base (--base, default its base_model_name_or_path): train on from it with
-checkpoint.initial=OUT and the same peft keys.
+checkpoint.initial=OUT and the same peft keys. Adapters that do not fit the base's layers are
+refused, and so is a --base other than the one the adapters record (when that one is here), unless
+--force.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def from_hf(hf_dir: Path, out: Path, model: str | None, write_config: str | None
 
 
 def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_size: str,
-          tokenizer: str | None = None, merge: bool = False, base: str | None = None) -> None:
+          tokenizer: str | None = None, merge: bool = False, base: str | None = None,
+          force: bool = False) -> None:
     checkpoint = newest_step(checkpoint, "to-hf", print)
     if not checkpoint.is_dir():
         raise ConfigError(f"{checkpoint} is not a folder")
@@ -103,7 +106,7 @@ def to_hf(checkpoint: Path, out: Path, model: str | None, dtype: str, max_shard_
         return
     if (checkpoint / ADAPTER_CONFIG).is_file():
         shards = export_merged(checkpoint, cfg, out, base, getattr(torch, dtype),
-                               shard_bytes(max_shard_size))
+                               shard_bytes(max_shard_size), force)
     elif merge:
         raise ConfigError(f"--merge: {checkpoint} holds no LoRA adapters (a full model's "
                           "checkpoint converts without --merge)")
@@ -208,20 +211,23 @@ def main(argv: list[str]) -> None:
                         help="to-hf of a LoRA checkpoint, from-hf of a peft adapter: its base "
                              "(default: the checkpoint.initial it trained from; the adapter's "
                              "base_model_name_or_path)")
+    parser.add_argument("--force", action="store_true",
+                        help="with --base: take a base other than the one the adapters were "
+                             "trained on (with a warning)")
     parser.add_argument("--tokenizer",
                         help="to-hf: the tokenizer to write, when the checkpoint holds none "
                              "(a tokenizer.json, or a folder holding one)")
     args = parser.parse_args(argv)
     try:
         if args.direction == "from-hf" and (args.source / PEFT_CONFIG).is_file():
-            layers = import_peft(args.source, args.out, args.base)
+            layers = import_peft(args.source, args.out, args.base, args.force)
             print(f"wrote the LoRA adapters of {layers} layers to {args.out}: train on from them "
                   f"with checkpoint.initial={args.out} and the peft keys of its adapter.yaml")
         elif args.direction == "from-hf":
             from_hf(args.source, args.out, args.model, args.write_config)
         else:
             to_hf(args.source, args.out, args.model, args.dtype, args.max_shard_size,
-                  args.tokenizer, args.merge, args.base)
+                  args.tokenizer, args.merge, args.base, args.force)
     except ConfigError as e:
         sys.stderr.write(f"config error: {e}\n")
         sys.exit(2)

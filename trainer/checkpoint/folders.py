@@ -156,6 +156,16 @@ def read_manifest(path: Path) -> dict | str:
     return manifest
 
 
+def all_damaged(damaged: list[tuple[Path, str]]) -> CheckpointError:
+    """resume=auto's refusal when every checkpoint is damaged: not a fresh start over a run's lost
+    progress."""
+    listed = "; ".join(f"{p}: {why}" for p, why in damaged[:4])
+    return CheckpointError(f"checkpoint.resume=auto: every checkpoint is damaged ({listed}"
+                           f"{'; ...' if len(damaged) > 4 else ''}); nothing was resumed or "
+                           "changed. To start afresh, add checkpoint.resume=none (they are then "
+                           "set aside, kept); or resume one by name, checkpoint.resume=PATH")
+
+
 def run_of(path: Path) -> str | None:
     """The run that saved checkpoint `path` (its manifest's `run`; None for none, or a checkpoint
     of a version of this trainer that did not record it)."""
@@ -164,8 +174,9 @@ def run_of(path: Path) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def _problem(path: Path, rank: int, world: int) -> str | None:
-    """What is wrong with this rank's share of checkpoint `path`'s files, if anything."""
+def _problem(path: Path, rank: int, world: int, crc: bool = True) -> str | None:
+    """What is wrong with this rank's share of checkpoint `path`'s files, if anything (without
+    `crc`: with any of its files' presence and sizes, read from the folder alone)."""
     manifest = read_manifest(path)
     if isinstance(manifest, str):
         return manifest
@@ -173,13 +184,22 @@ def _problem(path: Path, rank: int, world: int) -> str | None:
     missing = sorted(set(expected) - {p.name for p in _files(path)})
     if missing:
         return f"missing {missing[0]}"
-    for name in sorted(expected)[rank::world]:
-        size, crc = expected[name]
+    for name in sorted(expected)[rank::world] if crc else sorted(expected):
+        size, sum_ = expected[name]
         if (path / name).stat().st_size != size:
             return f"{name} is {(path / name).stat().st_size} bytes, the manifest says {size}"
-        if (actual := _crc32(path / name)) != crc:
-            return f"{name} is damaged (CRC32 {actual:08x}, the manifest says {crc:08x})"
+        if crc and (actual := _crc32(path / name)) != sum_:
+            return f"{name} is damaged (CRC32 {actual:08x}, the manifest says {sum_:08x})"
     return None
+
+
+def quick_problem(path: Path) -> str | None:
+    """Before launch: what is wrong with checkpoint `path` that its manifest and its files' sizes
+    tell (the ranks read every byte of their share again for the CRC32s)."""
+    try:
+        return _problem(path, 0, 1, crc=False)
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
 
 
 def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:

@@ -10,6 +10,7 @@ weights in host memory, one model in fp32.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -76,11 +77,31 @@ def export_peft(checkpoint: Path, cfg: ModelConfig, out: Path,
     return len(layers)
 
 
+def check_base(given: str | None, recorded: str | None, what: str, force: bool = False) -> None:
+    """--base against the base `what` (an adapter) records: another folder of this machine is
+    refused (adapters trained on other weights would be applied to these), unless `force`; a base
+    recorded that is not here cannot be compared, and is said to be so."""
+    if given is None or recorded is None or Path(given).resolve() == Path(recorded).resolve():
+        return
+    if not Path(recorded).exists():
+        print(f"note: {what} records its base as {recorded}, which is not here; --base {given} "
+              "is taken as that base", file=sys.stderr)
+        return
+    said = f"--base {given} is not the base {what} was trained on ({recorded})"
+    if not force:
+        raise CheckpointError(f"{said}: its adapters would be applied to other weights; give "
+                              "that base, or add --force to use this one anyway")
+    print(f"warning: {said}; --force: using it anyway", file=sys.stderr)
+
+
 def export_merged(checkpoint: Path, cfg: ModelConfig, out: Path, base: str | None,
-                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 10**9) -> int:
+                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 10**9,
+                  force: bool = False) -> int:
     """Writes the LoRA checkpoint's base with its adapters folded in (W + alpha / rank * B A, in
-    fp32) as a Hugging Face directory `out`; returns the number of shards."""
+    fp32) as a Hugging Face directory `out`; returns the number of shards. A `base` other than the
+    one it trained on is refused unless `force` (check_base)."""
     peft, adapters = read_adapters(checkpoint)
+    check_base(base, peft.get("base"), str(checkpoint), force)
     base = base or peft.get("base")
     if base is None:
         raise CheckpointError(f"{checkpoint} was trained on the seed's base, not on weights of "
@@ -98,10 +119,13 @@ def export_merged(checkpoint: Path, cfg: ModelConfig, out: Path, base: str | Non
                     max_shard_bytes)
 
 
-def import_peft(adapter_dir: Path, out: Path, base: str | None = None) -> int:
+def import_peft(adapter_dir: Path, out: Path, base: str | None = None,
+                force: bool = False) -> int:
     """Writes the PEFT LoRA adapter in `adapter_dir` as a LoRA checkpoint `out` of ours on its base
     (`base`, default its base_model_name_or_path: a Hugging Face directory); returns how many
-    layers take adapters. `checkpoint.initial=out` with the same peft keys trains on from it."""
+    layers take adapters. `checkpoint.initial=out` with the same peft keys trains on from it.
+    Adapters that do not fit the base's layers are refused; so is a `base` other than a local one
+    it names, unless `force` (check_base)."""
     config = json.loads((adapter_dir / PEFT_CONFIG).read_text())
     unlike = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
               "use_dora": False}
@@ -109,6 +133,7 @@ def import_peft(adapter_dir: Path, out: Path, base: str | None = None) -> int:
         if config.get(key, ours) != ours:
             raise CheckpointError(f"{adapter_dir}: {PEFT_CONFIG} has {key}={config[key]}; only "
                                   f"plain LoRA ({key}={ours}) imports")
+    check_base(base, config.get("base_model_name_or_path"), str(adapter_dir), force)
     base = base or config.get("base_model_name_or_path")
     if base is None or not is_hf_dir(Path(base)):
         raise CheckpointError(f"{adapter_dir}'s base {base} is not a Hugging Face directory here; "
@@ -126,6 +151,7 @@ def import_peft(adapter_dir: Path, out: Path, base: str | None = None) -> int:
                               f"{cfg.family} model's blocks ({len(unknown)} such)")
     weights = {ours_of[name]: t.float().contiguous() for name, t in tensors.items()}
     layers = adapter_layers(weights)
+    _check_fits(weights, layers, cfg, f"{adapter_dir}'s adapters do not fit the base {base}")
     kinds = sorted({layer.rpartition(".")[2] for layer in layers})
     # the layers by their last names where every block has the same ones, else whole
     every = len(layers) == len(kinds) * len({layer.split(".")[1] for layer in layers})
@@ -134,3 +160,19 @@ def import_peft(adapter_dir: Path, out: Path, base: str | None = None) -> int:
                "target_modules": kinds if every else layers, "base": str(base)}
     save_weights(cfg, weights, out, adapter=adapter)
     return len(layers)
+
+
+def _check_fits(weights: dict[str, torch.Tensor], layers: list[str], cfg: ModelConfig,
+                said: str) -> None:
+    """Each layer's lora_A [rank, in] and lora_B [out, rank] against the layer's weight [out, in]
+    in a model of `cfg`."""
+    model = build_model(cfg, device="meta")
+    for layer in layers:
+        out_features, in_features = model.get_submodule(layer).weight.shape
+        a, b = weights.get(f"{layer}.lora_A"), weights.get(f"{layer}.lora_B")
+        if a is None or b is None:
+            raise CheckpointError(f"{said}: {layer} has only one of lora_A and lora_B")
+        if (a.shape[1], b.shape[0], a.shape[0]) != (in_features, out_features, b.shape[1]):
+            raise CheckpointError(f"{said}: {layer} is {in_features} -> {out_features} there, "
+                                  f"the adapter's {a.shape[1]} -> {b.shape[0]} (rank "
+                                  f"{a.shape[0]}); name its base with --base PATH")

@@ -21,6 +21,7 @@ from trainer.checkpoint.folders import (
     MODEL_CONFIG,
     CheckpointError,
     SaveFailed,
+    all_damaged,
     check_same_method,
     checkpoint_steps,
     find_resume,
@@ -92,12 +93,7 @@ def newest_undamaged(folder: Path | list[Path], rank: int, world: int, log) -> P
     path = find_resume(folder, rank, world, log, skipped)
     damaged = [(p, why) for p, why in skipped if not is_not_a_checkpoint(why)]
     if path is None and damaged:
-        listed = "; ".join(f"{p}: {why}" for p, why in damaged[:4])
-        raise CheckpointError(f"checkpoint.resume=auto: every checkpoint is damaged ({listed}"
-                              f"{'; ...' if len(damaged) > 4 else ''}); nothing was resumed or "
-                              "changed. To start afresh, add checkpoint.resume=none (they are then "
-                              "set aside, kept); or resume one by name, "
-                              "checkpoint.resume=PATH")
+        raise all_damaged(damaged)
     return path
 
 

@@ -1,16 +1,16 @@
 """The command line's overrides, checked before Hydra composes anything: a group choice that names
 no file, and a key the schema does not have (also when added with `+`, which Hydra would accept),
 each one `config error:` line with the choices or the nearest known keys (a model key the shared
-schema lacks is left to the model's family, once composed). `compose_job` composes the checked
-overrides into a JobConfig outside a Hydra app (the planner, trainer-run's check); `job_config`
-makes one of a composed config."""
+schema lacks is left to the model's family, once composed). `compose` composes the checked
+overrides outside a Hydra app (the planner, trainer-run's check), `compose_job` into a JobConfig;
+`job_config` makes one of a composed config."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config.files import (
@@ -60,8 +60,15 @@ def check_overrides(argv: list[str]) -> None:
 def compose_job(overrides: list[str]) -> JobConfig:
     """The job `train.py overrides...` would run, checked (see check_overrides) and composed: a file
     that does not parse, or a value of the wrong type, is a ConfigError."""
+    return job_config(compose(overrides))
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The config Hydra composes for `train.py overrides...` (see compose_job)."""
     import yaml
-    from hydra import compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
 
     register_configs()
@@ -69,7 +76,14 @@ def compose_job(overrides: list[str]) -> JobConfig:
     check_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return job_config(compose(config_name="config", overrides=overrides))
+            cfg = hydra_compose(config_name="config", overrides=overrides,
+                                return_hydra_config=True)
+        # As in the Hydra app: its choices name the run (${recipe_name:})
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        job_config(cfg)  # every value of its type
+        return cfg
     except yaml.YAMLError as e:
         raise yaml_error(e) from None
     except (HydraException, OmegaConfBaseException) as e:

@@ -91,7 +91,10 @@ def check_peft_checkpoints(job: JobConfig) -> None:
     adapters this run trains (rank, alpha, layers)."""
     cfg, adapted = job.checkpoint, job.peft.method is not None
     if cfg.resume not in ("auto", "none"):
-        check_same_method(_a_step(Path(cfg.resume)), adapted)
+        resumed = _a_step(Path(cfg.resume))
+        check_same_method(resumed, adapted)
+        if adapted:
+            _check_same_adapters(resumed, job.peft)
     initial = _a_step(Path(cfg.initial)) if cfg.initial else None
     if initial is None or not (initial / ADAPTER_CONFIG).is_file():
         return
@@ -110,6 +113,20 @@ def check_peft_checkpoints(job: JobConfig) -> None:
             f"adapters on {len(saved)} layers ({_kinds(saved)}); this model's are rank "
             f"{peft.rank}, alpha {peft.alpha:g} on {len(layers)} ({_kinds(layers)}): set "
             "peft.rank, peft.alpha and peft.target_modules to its")
+
+
+def _check_same_adapters(path: Path, peft: PeftConfig) -> None:
+    """A LoRA checkpoint resumes only with the adapters' shape it trained with."""
+    recorded = OmegaConf.to_container(OmegaConf.load(path / ADAPTER_CONFIG))
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} is not an adapter config this trainer "
+                              "wrote")
+    changed = [f"peft.{key}={recorded.get(key)} -> {getattr(peft, key)}"
+               for key in ("rank", "target_modules") if recorded.get(key) != getattr(peft, key)]
+    if changed:
+        raise CheckpointError(f"checkpoint.resume={path} holds adapters of another shape "
+                              f"({', '.join(changed)}): resume it with the peft keys it trained "
+                              "with")
 
 
 def _a_step(path: Path) -> Path:

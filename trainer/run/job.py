@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.checkpoint.rerun import check_rerun
 from trainer.checkpoint.tokenizer_files import resolve_tokenizer
 from trainer.checks.job import check_config
 from trainer.checks.overrides import command_line, job_config
@@ -31,7 +30,8 @@ from trainer.plan.auto import auto_device, calibration_note, choose_layout, pinn
 from trainer.plan.devices import local_device
 from trainer.plan.search import apply_overrides, fitting_option
 from trainer.run.allocator import reuse_freed_memory
-from trainer.run.output import OutputLock, check_writable
+from trainer.run.output import OutputLock
+from trainer.run.prelaunch import check_output
 from trainer.run.setup import build_trainer
 
 
@@ -46,31 +46,36 @@ def build_datasets(job: JobConfig):
             build_dataset(val_data, t.seq_len, t.seed, "all"))
 
 
-def run(cfg: DictConfig) -> None:
-    """Runs the job `cfg` (the composed Hydra config) on this rank."""
+def job_and_config(cfg: DictConfig) -> tuple[JobConfig, dict]:
+    """The job `cfg` (a composed Hydra config) runs: its tokenizer resolved, its output_dir this
+    replica group's; and the config as it runs (saved as config.yaml, compared by reruns), whose
+    model section is the family's config whole, every key at its value, defaults included."""
     job = job_config(cfg)
     tokenizer = resolve_tokenizer(job.data.tokenizer, job.data.source, job.checkpoint.initial)
-    if (tokenizer != job.data.tokenizer and not is_bytes(tokenizer)
-        and int(os.environ.get("RANK", "0")) == 0):
-        print("data: data.tokenizer=auto takes the tokenizer beside checkpoint.initial: "
-              f"{tokenizer}", flush=True)
     job = dataclasses.replace(job, output_dir=group_output_dir(job),
                               data=dataclasses.replace(job.data, tokenizer=tokenizer))
-    # The config as it runs (saved as config.yaml, compared by reruns): the tokenizer it resolved
-    # to. Its model section is the family's config whole, every key at its value, defaults included.
     config = OmegaConf.to_container(cfg, resolve=True)
     config["data"]["tokenizer"] = tokenizer
     config["model"] = OmegaConf.to_container(OmegaConf.structured(job.model))
+    return job, config
+
+
+def run(cfg: DictConfig) -> None:
+    """Runs the job `cfg` (the composed Hydra config) on this rank."""
+    job, config = job_and_config(cfg)
+    rank_0 = int(os.environ.get("RANK", "0")) == 0
+    if job.data.tokenizer != cfg.data.tokenizer and not is_bytes(job.data.tokenizer) and rank_0:
+        print("data: data.tokenizer=auto takes the tokenizer beside checkpoint.initial: "
+              f"{job.data.tokenizer}", flush=True)
     device = resolve_device(job.device)
     if job.parallel.auto:
         job = choose_auto_layout(job, config, device)
     dims = check_config_launched(job)
     checkpoint = job.checkpoint
     check_lighthouse(job)
-    schedule_change = check_rerun(config, checkpoint, job.output_dir)
-    if schedule_change and int(os.environ.get("RANK", "0")) == 0:
+    schedule_change = check_output(job, config)
+    if schedule_change and rank_0:
         print(schedule_change, flush=True)
-    check_writable(job.output_dir)
     try:
         predicted = check_memory(job, dims, device) if job.plan.check else None
     except ConfigError as e:

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             local = int(args.nproc_per_node) if args.nproc_per_node.isdigit() else 1
             check_job_args(args.training_script_args, world_of(args.nproc_per_node, args.nnodes),
-                           local)
+                           local, one_node=args.nnodes in ("1", "1:1"))
         except ConfigError as e:
             sys.stderr.write(f"config error: {e}\n")
             sys.exit(2)
@@ -122,27 +122,31 @@ def _wait_gone(pids: list[int], timeout: float) -> None:
         time.sleep(0.1)
 
 
-def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1) -> None:
+def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1,
+                   one_node: bool = False) -> None:
     """The checks every rank would make first, on train.py's `overrides`; those that need the world
     size only when it is known before launch (not for an elastic range). Under parallel=auto, the
-    layout every rank would choose (`local_ranks` of them on each node), and its checks."""
+    layout every rank would choose (`local_ranks` of them on each node), and its checks. Then the
+    output folder's and the resumed checkpoint's (trainer.run.prelaunch); whether another job
+    holds output_dir only on `one_node`: of a job on several, a node that starts late would find
+    the folder held by this job's own first rank."""
     if any(arg.startswith("-") for arg in overrides):
         return  # Hydra's own flags (--cfg job, --help): train.py prints, it does not run
     from trainer.checks.job import check_config
-    from trainer.checks.overrides import compose_job
-    from trainer.models import import_modules
+    from trainer.checks.overrides import compose
+    from trainer.run.job import in_own_process, job_and_config
+    from trainer.run.prelaunch import check_output
 
-    job = compose_job(overrides)
-    import_modules(job.imports)
-    if world is None:
-        return
-    # in a process of its own: a GPU's figures would start CUDA in this long-lived one
-    if job.parallel.auto:
-        from trainer.plan.search import apply_overrides
-        from trainer.run.job import in_own_process
+    job, config = job_and_config(compose(overrides))
+    if world is not None:
+        # in a process of its own: a GPU's figures would start CUDA in this long-lived one
+        if job.parallel.auto:
+            from trainer.plan.search import apply_overrides
 
-        job = apply_overrides(job, in_own_process(_auto_layout, job, world, local_ranks, overrides))
-    check_config(job, world)
+            job = apply_overrides(job, in_own_process(_auto_layout, job, world, local_ranks,
+                                                      overrides))
+        check_config(job, world)
+    check_output(job, config, before_launch=one_node)
 
 
 def _auto_layout(job, world: int, local_ranks: int, overrides: list[str]) -> dict:

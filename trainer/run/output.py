@@ -67,13 +67,8 @@ class OutputLock:
 
     def _claim(self, path: Path, output_dir: str) -> str | None:
         self.file = open(path, "a+")  # noqa: SIM115 (held open, and locked, until the job ends)
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "a job that has not written its name yet"
-            return (f"output_dir={output_dir} is in use by another job ({holder}): stop it, or "
-                    "choose another output_dir")
+        if not _locked(self.file):
+            return _in_use(self.file, output_dir)
         self.file.seek(0)
         self.file.truncate()
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
@@ -85,3 +80,29 @@ class OutputLock:
         if self.file is not None:
             self.file.close()  # closing drops the lock; the file stays, naming the last holder
             self.file = None
+
+
+def check_not_in_use(output_dir: str) -> None:
+    """Before launch: a config error when another job holds output_dir (its lock is only tried)."""
+    path = Path(output_dir) / LOCK_NAME
+    if not path.is_file():
+        return
+    with open(path) as file:
+        if not _locked(file, shared=True):
+            raise ConfigError(_in_use(file, output_dir))
+
+
+def _locked(file, shared: bool = False) -> bool:
+    """Whether this process could lock `file` (exclusively, or shared: a mere try)."""
+    try:
+        fcntl.flock(file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _in_use(file, output_dir: str) -> str:
+    file.seek(0)
+    holder = file.read().strip() or "a job that has not written its name yet"
+    return (f"output_dir={output_dir} is in use by another job ({holder}): stop it, or choose "
+            "another output_dir")
