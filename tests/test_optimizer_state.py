@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from trainer.checks.job import check_job
 from trainer.errors import ConfigError
 from trainer.optim.bf16_state import AdamWBF16State
-from trainer.optim.f8_state import AdamWF8State
+from trainer.optim.f8_state import AdamWF8State, warmup_note
 
 STATES = {"bfloat16": ("optim.state_dtype=bfloat16",), "float8": ("optim.state_dtype=float8",)}
 # (state precision, layout) -> (ranks, recipe and overrides)
@@ -60,6 +60,15 @@ def _sharded_step_equals_the_whole(rank, world_size):
                 assert torch.equal(mine, whole[name]), (
                     f"{cls.__name__}'s {name} of the step sharded {placements} differs on rank "
                     f"{rank}")
+
+
+def test_float8_state_with_a_short_warmup_says_so_at_start_up():
+    """The README's smoke (2 warmup steps at lr 1e-3) spikes with float8 moments (docs/memory.md):
+    a run with fewer than ten warmup steps is told, the recipes' 200 are not."""
+    note = warmup_note("float8", 2)
+    assert note.startswith("note: optim.state_dtype=float8 with training.warmup_steps=2: ")
+    assert "warm up for 10 steps or more" in note
+    assert warmup_note("float8", 10) is None and warmup_note("bfloat16", 2) is None
 
 
 @pytest.mark.multiprocess

@@ -31,6 +31,9 @@ from trainer.optim.bf16_state import CHUNK, PerParameterAdamW, adamw_math, hash1
 from trainer.tensors import local_tensor
 
 BLOCK = 32  # elements of a row sharing a scale
+# Fewer warmup steps at a high lr: the first moment's rounding can turn one of the first steps'
+# gradient spikes into a loss spike (docs/memory.md); the run says so at start-up.
+SAFE_WARMUP_STEPS = 10
 # A block's values over 2**exponent are below 2**TOP_BITS; each is a small float in a byte: 4
 # exponent bits (binades from 2**MIN_EXP up, and one of evenly spaced values below), then the
 # mantissa's bits below the leading one: 3 behind a sign bit (the first moment: e4m3), 4 where the
@@ -41,6 +44,15 @@ LARGEST = {True: 15 * 2.0**4, False: 31 * 2.0**3}  # the largest code's value, b
 # state keys: each moment's codes, its blocks' exponents, and whether its codes hold a sign
 MOMENTS = (("exp_avg_codes", "exp_avg_exps", True),
            ("exp_avg_sq_root_codes", "exp_avg_sq_root_exps", False))
+
+
+def warmup_note(state_dtype: str, warmup_steps: int) -> str | None:
+    """The start-up line of float8 state with fewer than SAFE_WARMUP_STEPS warmup steps."""
+    if state_dtype != "float8" or warmup_steps >= SAFE_WARMUP_STEPS:
+        return None
+    return (f"note: optim.state_dtype=float8 with training.warmup_steps={warmup_steps}: its "
+            "rounding can turn an early gradient spike into a loss spike (docs/memory.md); warm "
+            f"up for {SAFE_WARMUP_STEPS} steps or more")
 
 
 def held_in_blocks(p: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@ from trainer.observe.memory_snapshot import MemorySnapshot, known_tensors
 from trainer.observe.metrics import MetricsLogger, Throughput, flops_per_token, peak_tflops
 from trainer.observe.profiler import StepProfiler
 from trainer.optim.build import build_optimizer
+from trainer.optim.f8_state import warmup_note
 from trainer.optim.schedule import build_scheduler
 from trainer.parallel.build import build_model_parts, build_options
 from trainer.parallel.dims import ParallelDims
@@ -227,6 +228,8 @@ def describe_features(job: JobConfig, dims: ParallelDims, options, model_parts: 
     f8 = float8_of(job.training)
     if f8 is not None:
         log(describe_float8(model_parts, f8))
+    if (note := warmup_note(job.optim.state_dtype, job.training.warmup_steps)) is not None:
+        log(note)
 
 
 def describe_model(model: nn.Module, dims: ParallelDims, log) -> float:
