@@ -73,7 +73,10 @@ def plot(runs: list[Run]):
         axis.grid(alpha=0.3)
         if not axis.lines:  # a figure no run logged (the straggler check on one rank)
             axis.set_axis_off()
-    grid.flat[0].legend(fontsize="small")
+    # below the panels, the figure made room for it: inside one, long names ran off its edge
+    handles, labels = grid.flat[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", fontsize="small",
+                  ncols=1 if max(map(len, labels)) > 60 else min(len(labels), 4))
     return figure
 
 

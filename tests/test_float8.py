@@ -256,3 +256,24 @@ def test_what_float8_leaves_in_high_precision_is_said():
                              r"cannot"):
         check_float8_layers(nn.ModuleDict({"layers": nn.ModuleDict({"0": block()})}),
                             Float8Config(enabled=True, skip_unaligned=False))
+
+
+def test_torchao_is_imported_without_its_kernel_and_pytree_warnings(monkeypatch, caplog):
+    """torchao logs a warning per CUDA kernel library it cannot load (every one on a CPU) and torch
+    one per Enum it registers; they came with every float8 and QLoRA run."""
+    import importlib
+    import logging
+
+    from trainer import torchao_import
+
+    def noisy(name):
+        logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so")
+        logging.getLogger("torch.utils._pytree").warning("register_constant() on Enum")
+        logging.getLogger("torchao").error("a real failure")
+        return name
+
+    monkeypatch.setattr(importlib, "import_module", noisy)
+    with caplog.at_level(logging.WARNING):
+        assert torchao_import.import_torchao("torchao.float8") == "torchao.float8"
+    assert [r.getMessage() for r in caplog.records] == ["a real failure"] * 2  # torchao, then it
+    assert logging.getLogger("torchao").level == logging.NOTSET  # as it was

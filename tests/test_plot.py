@@ -68,3 +68,20 @@ def test_a_folder_without_metrics_is_one_line_and_exit_2(tmp_path, capsys):
     assert plot_run.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == f"plot_run: {tmp_path} has no metrics.jsonl: not a run's output_dir\n"
+
+
+@NEEDS_MATPLOTLIB
+@BUILDS_FONT_CACHE
+def test_the_legend_lies_inside_the_figure_however_long_the_names(tmp_path):
+    keys = {"optim": {"name": "adamw", "beta2": 0.95, "state_dtype": "float32"},
+            "training": {"lr": 0.001, "warmup_steps": 2, "seq_len": 128}}
+    other = {"optim": {"name": "muon", "beta2": 0.999, "state_dtype": "bfloat16"},
+             "training": {"lr": 0.003, "warmup_steps": 20, "seq_len": 256}}
+    runs = [read_run(write_run(tmp_path / name, **config))
+            for name, config in (("a_run_with_a_long_name", keys), ("b", other))]
+    figure = plot_run.plot(runs)
+    figure.canvas.draw()
+    (legend,) = figure.legends
+    box, page = legend.get_window_extent(), figure.bbox
+    assert len(legend.get_texts()) == 4  # each run's loss and val_loss
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1

@@ -17,7 +17,6 @@ casting after a high-precision gather would, so they change the communication, n
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from fnmatch import fnmatch
 
@@ -31,6 +30,7 @@ from trainer.config.schema import Float8Config
 from trainer.errors import ConfigError
 from trainer.models.head import LMHead
 from trainer.step_parts import StepPart
+from trainer.torchao_import import import_torchao
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's named recipes
 INSTALL = 'pip install -e ".[float8]"'
@@ -40,18 +40,10 @@ ALIGN = 16  # float8 GEMMs take dimensions that are multiples of this
 def torchao_float8():
     """torchao.float8, imported without the lines torchao logs when its CUDA kernels do not load
     (on a CPU box, always); a config error naming the install command if torchao is missing."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
     try:
-        import torchao.float8
+        return import_torchao("torchao.float8")
     except ImportError:
         raise ConfigError(f"training.float8.enabled=true needs torchao: {INSTALL}") from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    return torchao.float8
 
 
 def check_float8(f8: Float8Config, device: str, compile: bool) -> None:

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from trainer.torchao_import import import_torchao
+
 BLOCK = 64  # weights per scale (QLoRA's)
 SCALER_BLOCK = 256  # scales per scale of theirs (QLoRA's double quantization)
 # Bytes an element held: its 4-bit code, an int8 scale a block, an fp32 one per 256 of those.
@@ -68,8 +70,7 @@ def stored_bytes(tensor: torch.Tensor) -> int:
 
 def quantize(full: torch.Tensor):
     """`full` (2-D) in nf4."""
-    from torchao.quantization import to_nf4
-
+    to_nf4 = import_torchao("torchao.quantization").to_nf4
     return to_nf4(full.contiguous(), BLOCK, scaler_block(full.numel()))
 
 
@@ -77,8 +78,7 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device | st
     """An nf4 weight of `shape` whose codes and scales are on `device` (meta: allocated later, by
     FSDP's to_empty); its lookup table and scales' mean are allocated now, as torchao's empty_like
     leaves those where they are."""
-    from torchao.quantization import NF4Tensor
-
+    NF4Tensor = import_torchao("torchao.quantization").NF4Tensor  # noqa: N806 (its class)
     meta = quantize(torch.empty(shape, dtype=dtype, device="meta"))
     real = quantize(torch.zeros(BLOCK * meta.scaler_block_size, dtype=dtype, device=device))
     args = meta.__tensor_flatten__()[1]["tensor_meta"]
