@@ -214,6 +214,9 @@ MISTAKES = {
                        r"model=llama3_8 is not a known model; did you mean model=llama3_8b\?$"),
     "unknown schedule": (lambda p: ["parallel.pp_schedule=nope"],
                          r"parallel.pp_schedule=nope is unknown; choose one of"),
+    "misspelt cp method, without cp": (lambda p: ["parallel.cp_method=ulyses"],
+                                       r"parallel.cp_method=ulyses is unknown; choose one of "
+                                       r"\['ring', 'allgather', 'ulysses'\]"),
     "tp not dividing heads": (lambda p: ["parallel.tp=3"],
                               r"parallel.tp=3 must divide model.n_heads=16"),
     "sequence too long": (lambda p: ["training.seq_len=100000"],

@@ -139,10 +139,10 @@ def _check_model_rules(degrees: dict, parallel: ParallelConfig, model: ModelConf
         raise ConfigError(f"parallel.pp={pp} must not exceed model.n_layers={model.n_layers}")
     if pp > 1:
         _check_pipeline_rules(pp, parallel, model)
+    if parallel.cp_method not in CP_METHODS:  # (at cp=1 too: a misspelling is one whatever cp)
+        raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of "
+                          f"{list(CP_METHODS)}")
     if cp > 1:
-        if parallel.cp_method not in CP_METHODS:
-            raise ConfigError(f"parallel.cp_method={parallel.cp_method} is unknown; choose one of "
-                              f"{list(CP_METHODS)}")
         _check_ulysses(parallel, model, cp, tp)
         # Each cp rank holds two chunks of the sequence (load balancing, see context_parallel.py).
         if training.seq_len % (2 * cp):
