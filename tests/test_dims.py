@@ -37,7 +37,7 @@ def dims_for(world: int, **settings) -> ParallelDims:
 def test_rules_that_only_bind_with_the_feature_on():
     dims_for(4, tp=2, loss_parallel=False, model__vocab_size=2049)
     dims_for(4, tp=4, sequence_parallel=False, training__seq_len=130)
-    dims_for(4, cp=1, cp_method="flash", training__seq_len=130)
+    dims_for(4, cp=1, cp_method="ulysses", training__seq_len=130)  # (a misspelt one: an error)
     dims_for(4, cp=2, tp=2, sequence_parallel=False, training__seq_len=132)
 
 

@@ -11,8 +11,9 @@ from test_ownership import published
 from trainer.checkpoint.folders import ADAPTER_CONFIG
 from trainer.checkpoint.rerun import TRAINED_CONFIG
 from trainer.checks.overrides import compose
+from trainer.errors import ConfigError
 from trainer.run import launcher
-from trainer.run.job import job_and_config
+from trainer.run.job import check_data, job_and_config, read_first
 
 BASE = ("model=llama_debug", "+smoke=cpu", "checkpoint.enabled=true")
 
@@ -85,3 +86,23 @@ def test_an_output_dir_in_use_is_refused_before_launch_on_one_node(tmp_path, cap
                         "pid 1, started today): stop it, or choose another output_dir\n")
         # of several nodes, the ranks' lock decides (a late node would find the job's own)
         launcher.check_job_args([*BASE, f"output_dir={tmp_path}"], None, 2)
+
+
+
+def test_data_that_holds_no_text_is_refused_before_launch(tmp_path, monkeypatch):
+    """trainer-run reads local files and token files first, in a process of its own (here, this
+    one): what the ranks would find there is one line before launch."""
+    monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RANK", "0")  # (the check sets it: it is no rank)
+    rows = tmp_path / "numbers.jsonl"
+    rows.write_text("".join(f'{{"text": {n}}}\n' for n in range(20)))
+    job, _ = job_and_config(compose([*BASE, "data.source=json", f"data.path={rows}"]))
+    assert read_first(job)
+    with pytest.raises(ConfigError, match=r"^data.text_field=text of .*numbers.jsonl holds no "
+                       r"text: its values are numbers, not strings$"):
+        check_data(job)
+    (tmp_path / "ok.txt").write_text("a text of some words, long enough for a window or two. " * 40)
+    check_data(job_and_config(compose([*BASE, "data.source=text",
+                                       f"data.path={tmp_path / 'ok.txt'}"]))[0])
+    assert list((tmp_path / "cache" / "tokens").glob("*.bin"))  # made for the ranks
+    assert not read_first(job_and_config(compose(list(BASE)))[0])  # the embedded text: nothing

@@ -86,9 +86,7 @@ def run(cfg: DictConfig) -> None:
                               "model)") from None
         raise
     dataset, val_dataset = build_datasets(job)
-    if dataset.vocab_size > job.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's "
-                          f"{dataset.vocab_size} (data.tokenizer={job.data.tokenizer})")
+    check_vocabulary(job, dataset)
     if device.type == "cpu" and job.training.cpu_reuse_memory:
         reuse_freed_memory()
     enable_flight_recorder(job.output_dir)
@@ -111,6 +109,36 @@ def run(cfg: DictConfig) -> None:
         if lock is not None:
             lock.release()
         shutdown()
+
+
+def check_vocabulary(job: JobConfig, dataset) -> None:
+    if dataset.vocab_size > job.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={job.model.vocab_size} must be >= the tokenizer's "
+                          f"{dataset.vocab_size} (data.tokenizer={job.data.tokenizer})")
+
+
+# The sources whose reading before launch costs what the ranks' costs (local files, tokenized once
+# into the cache the ranks then read; a token file's first ids); a stream or a chat set would be
+# read twice.
+CHECKED_FIRST = ("text", "json", "parquet", "binary")
+
+
+def read_first(job: JobConfig) -> bool:
+    """Whether check_data reads this job's data before launch (CHECKED_FIRST)."""
+    data = job.data
+    return not data.mix and data.format == "text" and data.source in CHECKED_FIRST
+
+
+def check_data(job: JobConfig) -> None:
+    """Before launch, in a process of its own: the data read as the ranks will read it (a file
+    missing, a text field that holds no text, a token file of another vocabulary), the cache made
+    for them. The process is no rank: what the data's reading says once a job (what it passed
+    over) is left to rank 0."""
+    if not read_first(job):
+        return
+    os.environ["RANK"] = "-1"
+    dataset, _ = build_datasets(job)
+    check_vocabulary(job, dataset)
 
 
 def check_config_launched(job: JobConfig):

@@ -129,12 +129,13 @@ def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1
     layout every rank would choose (`local_ranks` of them on each node), and its checks. Then the
     output folder's and the resumed checkpoint's (trainer.run.prelaunch); whether another job
     holds output_dir only on `one_node`: of a job on several, a node that starts late would find
-    the folder held by this job's own first rank."""
+    the folder held by this job's own first rank. Then the data's (its files read, tokenized into
+    the cache the ranks read)."""
     if any(arg.startswith("-") for arg in overrides):
         return  # Hydra's own flags (--cfg job, --help): train.py prints, it does not run
     from trainer.checks.job import check_config
     from trainer.checks.overrides import compose
-    from trainer.run.job import in_own_process, job_and_config
+    from trainer.run.job import check_data, in_own_process, job_and_config, read_first
     from trainer.run.prelaunch import check_output
 
     job, config = job_and_config(compose(overrides))
@@ -147,6 +148,8 @@ def check_job_args(overrides: list[str], world: int | None, local_ranks: int = 1
                                                       overrides))
         check_config(job, world)
     check_output(job, config, before_launch=one_node)
+    if read_first(job):
+        in_own_process(check_data, job)
 
 
 def _auto_layout(job, world: int, local_ranks: int, overrides: list[str]) -> dict:
