@@ -26,12 +26,14 @@ from trainer.run.output import check_not_in_use, check_writable
 
 
 def check_output(job: JobConfig, config: dict, before_launch: bool = False) -> str | None:
-    """The checks above on `job` (`config`: the config as it runs); `before_launch` also whether
-    another job holds output_dir (the ranks find that out by taking its lock). Returns the line
-    on a changed schedule, if any."""
+    """The rerun's settings and output_dir's writability (each rank's and trainer-run's checks);
+    `before_launch` also the checkpoint to resume and whether another job holds output_dir, which
+    the ranks find out by verifying what they load and by taking the lock (a stat of every file of
+    every checkpoint on each of 512 ranks would load a shared filesystem). Returns the line on a
+    changed schedule, if any."""
     schedule_change = check_rerun(config, job.checkpoint, job.output_dir)
-    check_resumable(job)
-    if before_launch:
+    if before_launch:  # (the ranks verify what they load, each its share of the files)
+        check_resumable(job)
         check_not_in_use(job.output_dir)
     check_writable(job.output_dir)
     return schedule_change
@@ -48,12 +50,15 @@ def check_resumable(job: JobConfig) -> None:
             raise CheckpointError(f"checkpoint.resume={cfg.resume} cannot be loaded: {problem}")
         check_same_shape(job.model, saved_config(path), f"checkpoint.resume={path}")
     elif cfg.resume == "auto" and cfg.enabled:
-        found = [(path, quick_problem(path))
-                 for _, path in checkpoint_steps(Path(job.output_dir) / "checkpoints")]
-        if found and all(problem is not None for _, problem in found):
-            damaged = [(p, why) for p, why in found if not is_not_a_checkpoint(why)]
-            if damaged:
-                raise all_damaged(damaged)
+        damaged = []
+        for _, path in reversed(checkpoint_steps(Path(job.output_dir) / "checkpoints")):
+            problem = quick_problem(path)
+            if problem is None:
+                return  # the newest whole one: resume=auto has one to take
+            if not is_not_a_checkpoint(problem):
+                damaged.append((path, problem))
+        if damaged:
+            raise all_damaged(damaged)
 
 
 def named_step(path: Path) -> Path:
